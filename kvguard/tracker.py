@@ -1,0 +1,196 @@
+"""The trackers: ``NoopTracker`` (the default, costs nothing) and ``TagTracker`` (the checking one).
+
+An engine drives a tracker through five calls (see docs/structures.md):
+``on_alloc`` / ``on_free`` as its allocator hands pages out and takes them back, ``record`` / ``drop`` as
+a request slot gains and releases pages, ``validate`` right before a forward reads the KV cache (one
+launch, no sync), and ``resolve`` after the engine has copied the verdict to the host together with the
+sampled token ids.
+"""
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from .metrics import metrics_for
+from .settings import TrackerConfig
+from .tags import UNSET, TagTable
+from .violations import KVGuardViolation, Violation, log_violation
+
+
+@dataclass
+class Check:
+    """A launched validation: the device verdict plus what is needed to explain a failure."""
+
+    verdict: torch.Tensor  # int32 [B, n_chunks] on the device; read it with the sampled ids
+    rows: torch.Tensor  # [B] request slot (row of `expected`) of each batch entry
+    source: torch.Tensor  # the engine's own table (never quarantined), for diagnostics
+    source_rows: torch.Tensor  # [B] row of `source` for each batch entry
+    entry_step: int
+    page_div: int
+
+
+class NoopTracker:
+    """The default tracker: every call returns at once; no device work, no allocation."""
+
+    enabled = False
+
+    def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
+        """Size the tracker for a pool of ``num_pages`` pages (scratch page 0 included)."""
+
+    def on_alloc(self, pages: torch.Tensor) -> None:
+        """Pages handed out by the allocator."""
+
+    def on_free(self, pages: torch.Tensor) -> None:
+        """Pages returned to the allocator."""
+
+    def record(self, row: int, first: int, pages: torch.Tensor) -> None:
+        """Request slot ``row`` now maps logical pages ``first..first+len(pages)`` to ``pages``."""
+
+    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
+        """Vectorized :meth:`record`: ``expected[rows[i], cols[i]] = tag(pages[i])``."""
+
+    def drop(self, row: int) -> None:
+        """Request slot ``row`` released its pages."""
+
+    def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
+                 source_rows=None, entry_step=1, page_div=1, entries_hint=None) -> Check | None:
+        """Launch the batched check (the no-op tracker launches nothing and returns None)."""
+        return None
+
+    def resolve(self, check: Check | None, verdict_host: torch.Tensor | None,
+                request_ids: list[str]) -> list[KVGuardViolation]:
+        """Turn a host verdict into one violation per flagged request (none for the no-op)."""
+        return []
+
+
+class TagTracker(NoopTracker):
+    """Tag-versioned page tracker: tags bump on alloc and free; expected (page, tag) per request slot."""
+
+    enabled = True
+
+    def __init__(self, config: TrackerConfig | None = None, registry: CollectorRegistry | None = None):
+        self.config = config or TrackerConfig(mode="check")
+        self.metrics = metrics_for(registry)
+        self.tags: TagTable | None = None
+        self.expected: torch.Tensor | None = None  # int64 [num_rows, max_entries]
+        self._aranges: torch.Tensor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
+        self.page_size = page_size
+        self.tags = TagTable(num_pages, device)
+        self.expected = torch.full((num_rows, max_entries), UNSET, dtype=torch.int64, device=device)
+        self._aranges = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
+        self.scratch_page = 0
+        self.use_triton = self._pick_triton(torch.device(device))
+
+    def _pick_triton(self, device: torch.device) -> bool:
+        backend = self.config.backend
+        if backend == "auto":
+            return device.type == "cuda"
+        return backend == "triton"
+
+    def _require_attached(self) -> None:
+        if self.tags is None:
+            raise RuntimeError("TagTracker: call attach(num_pages=..., num_rows=..., ...) before use")
+
+    # -- bookkeeping events ------------------------------------------------------------------------
+    def on_alloc(self, pages: torch.Tensor) -> None:
+        self._require_attached()
+        self.tags.bump(pages)
+
+    def on_free(self, pages: torch.Tensor) -> None:
+        self._require_attached()
+        self.tags.bump(pages)
+
+    def record(self, row: int, first: int, pages: torch.Tensor) -> None:
+        self._require_attached()
+        count = pages.numel()
+        if first + count > self.expected.shape[1]:
+            raise ValueError(f"TagTracker.record: row {row} pages {first}..{first + count} exceed the "
+                             f"row width {self.expected.shape[1]} given to attach()")
+        self.expected[row, first:first + count] = self.tags.gather(pages)
+
+    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
+        self._require_attached()
+        dev = self.expected.device
+        self.expected[rows.to(dev, torch.int64), cols.to(dev, torch.int64)] = self.tags.gather(pages)
+
+    def drop(self, row: int) -> None:
+        self._require_attached()
+        self.expected[row].fill_(UNSET)
+
+    # -- the check ---------------------------------------------------------------------------------
+    def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
+                 source_rows=None, entry_step=1, page_div=1, entries_hint=None) -> Check:
+        """Check ``table`` rows against expected tags; quarantine failing entries in ``table``.
+
+        ``table`` is what the next kernel reads: a batch-packed page table ``[B, P]`` (then
+        ``table_rows`` defaults to ``0..B-1``) or a token table indexed by ``table_rows``. ``rows`` are
+        the request slots. ``source`` (default: ``table``) is the engine's untouched table, used only to
+        explain a failure.
+        """
+        from .kernels.tag_check import tag_check, tag_check_ref  # lazy: Triton only when checking
+
+        self._require_attached()
+        batch = rows.numel()
+        if table_rows is None:
+            table_rows = self._aranges[:batch]
+        check = tag_check if self.use_triton else tag_check_ref
+        verdict = check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
+                        max_entries=max_entries, scratch_page=self.scratch_page, entry_step=entry_step,
+                        page_div=page_div, quarantine=self.config.quarantine and entry_step == 1)
+        self.metrics.checks.inc()
+        if entries_hint is not None:
+            self.metrics.entries.inc(entries_hint)
+        if source is None:
+            source, source_rows = table, table_rows
+        return Check(verdict, rows, source, table_rows if source_rows is None else source_rows,
+                     entry_step, page_div)
+
+    def resolve(self, check: Check | None, verdict_host: torch.Tensor | None,
+                request_ids: list[str]) -> list[KVGuardViolation]:
+        if check is None or verdict_host is None:
+            return []
+        counts = verdict_host.reshape(len(request_ids), -1).sum(1)
+        flagged = counts.nonzero().flatten().tolist()
+        found = [KVGuardViolation(self._explain(check, b, request_ids[b], int(counts[b]))) for b in flagged]
+        for err in found:
+            self.metrics.violations.labels(reason=err.violation.reason).inc()
+            if self.config.log_violations:
+                log_violation(err.violation)
+        return found
+
+    def note_aborted(self, count: int = 1) -> None:
+        """The engine aborted ``count`` requests on our verdict."""
+        self.metrics.aborted.inc(count)
+
+    def _explain(self, check: Check, b: int, request_id: str, bad: int) -> Violation:
+        """Slow path, only on a violation: find the first bad entry on the host."""
+        row = int(check.rows[b])
+        src_row = int(check.source_rows[b])
+        width = self.expected.shape[1]
+        raw = check.source[src_row, ::check.entry_step][:width].long().cpu()  # [width]
+        want = self.expected[row, :raw.numel()].cpu()
+        limit = self.tags.num_pages * check.page_div
+        in_range = (raw >= 0) & (raw < limit)
+        tags = self.tags.tags.cpu()
+        pages = torch.where(in_range, raw // check.page_div, torch.zeros_like(raw))
+        mismatch = ~in_range | (tags[pages] != want)
+        j = int(mismatch.nonzero().flatten()[0]) if bool(mismatch.any()) else 0
+        page_size = check.entry_step if check.entry_step > 1 else self.page_size
+        reason = "out_of_range" if not in_range[j] else ("unrecorded" if want[j] == UNSET else "tag_mismatch")
+        return Violation(
+            request_id=request_id, row=row, logical_position=j * page_size,
+            page=int(raw[j] // check.page_div) if in_range[j] else int(raw[j]),
+            expected_tag=int(want[j]), found_tag=int(tags[pages[j]]) if in_range[j] else None,
+            reason=reason, bad_entries=bad,
+        )
+
+
+def make_tracker(config: TrackerConfig | None = None, registry: CollectorRegistry | None = None):
+    """The tracker a deployment asked for: ``config`` or, if None, the ``KVGUARD_*`` environment."""
+    config = config or TrackerConfig.from_env()
+    if config.mode == "off":
+        return NoopTracker()
+    return TagTracker(config, registry)
