@@ -1,4 +1,5 @@
 """Prometheus counters, one set per registry (tests and multi-tracker processes stay separate)."""
+import weakref
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, REGISTRY
@@ -12,19 +13,20 @@ class Metrics:
     aborted: Counter
 
 
-_BY_REGISTRY: dict[int, Metrics] = {}
+# Keyed by the registry itself (weakly): an id() key is reused once a registry is freed, which
+# handed a new registry the counters of a dead one.
+_BY_REGISTRY: "weakref.WeakKeyDictionary[CollectorRegistry, Metrics]" = weakref.WeakKeyDictionary()
 
 
 def metrics_for(registry: CollectorRegistry | None = None) -> Metrics:
     """The kvguard counters registered in ``registry`` (the default process registry if None)."""
     registry = REGISTRY if registry is None else registry
-    key = id(registry)
-    if key not in _BY_REGISTRY:
-        _BY_REGISTRY[key] = Metrics(
+    if registry not in _BY_REGISTRY:
+        _BY_REGISTRY[registry] = Metrics(
             checks=Counter("kvguard_checks", "Batched validation passes launched", registry=registry),
             entries=Counter("kvguard_entries_checked", "Page-table entries validated", registry=registry),
             violations=Counter("kvguard_violations", "Requests found with a broken KV mapping",
                                ["reason"], registry=registry),
             aborted=Counter("kvguard_requests_aborted", "Requests aborted by kvguard", registry=registry),
         )
-    return _BY_REGISTRY[key]
+    return _BY_REGISTRY[registry]

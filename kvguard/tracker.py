@@ -52,6 +52,10 @@ class NoopTracker:
     def drop(self, row: int) -> None:
         """Request slot ``row`` released its pages."""
 
+    def held_pages(self, row: int, first: int, end: int) -> torch.Tensor:
+        """Pages recorded for ``row`` at logical ``first..end`` that it still holds (tags unchanged)."""
+        raise NotImplementedError("the no-op tracker records nothing")
+
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
                  source_rows=None, entry_step=1, page_div=1, entries_hint=None) -> Check | None:
         """Launch the batched check (the no-op tracker launches nothing and returns None)."""
@@ -80,6 +84,7 @@ class TagTracker(NoopTracker):
         self.page_size = page_size
         self.tags = TagTable(num_pages, device)
         self.expected = torch.full((num_rows, max_entries), UNSET, dtype=torch.int64, device=device)
+        self.expected_pages = torch.zeros((num_rows, max_entries), dtype=torch.int32, device=device)
         self._aranges = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
         self.scratch_page = 0
         self.use_triton = self._pick_triton(torch.device(device))
@@ -110,15 +115,29 @@ class TagTracker(NoopTracker):
             raise ValueError(f"TagTracker.record: row {row} pages {first}..{first + count} exceed the "
                              f"row width {self.expected.shape[1]} given to attach()")
         self.expected[row, first:first + count] = self.tags.gather(pages)
+        self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
         self._require_attached()
         dev = self.expected.device
-        self.expected[rows.to(dev, torch.int64), cols.to(dev, torch.int64)] = self.tags.gather(pages)
+        rows, cols = rows.to(dev, torch.int64), cols.to(dev, torch.int64)
+        self.expected[rows, cols] = self.tags.gather(pages)
+        self.expected_pages[rows, cols] = pages.to(dev, torch.int32)
 
     def drop(self, row: int) -> None:
         self._require_attached()
         self.expected[row].fill_(UNSET)
+
+    def held_pages(self, row: int, first: int, end: int) -> torch.Tensor:
+        """Recorded pages of ``row`` (logical ``first..end``) whose tag is still the one recorded.
+
+        Used to release an aborted request safely: its table row may name pages that were freed or
+        handed to another request since; only pages it still holds go back to the allocator.
+        """
+        self._require_attached()
+        pages = self.expected_pages[row, first:end].long()
+        still = self.tags.tags[pages] == self.expected[row, first:end]
+        return pages[still].cpu()
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
@@ -136,15 +155,18 @@ class TagTracker(NoopTracker):
         batch = rows.numel()
         if table_rows is None:
             table_rows = self._aranges[:batch]
+        quarantine = self.config.quarantine and entry_step == 1
+        if source is None:
+            # The check quarantines `table` in place: explain failures from a snapshot taken before it
+            # (pass `source` to avoid the copy).
+            source, source_rows = (table.clone() if quarantine else table), table_rows
         check = tag_check if self.use_triton else tag_check_ref
         verdict = check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
                         max_entries=max_entries, scratch_page=self.scratch_page, entry_step=entry_step,
-                        page_div=page_div, quarantine=self.config.quarantine and entry_step == 1)
+                        page_div=page_div, quarantine=quarantine)
         self.metrics.checks.inc()
         if entries_hint is not None:
             self.metrics.entries.inc(entries_hint)
-        if source is None:
-            source, source_rows = table, table_rows
         return Check(verdict, rows, source, table_rows if source_rows is None else source_rows,
                      entry_step, page_div)
 

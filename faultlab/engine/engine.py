@@ -1,0 +1,376 @@
+"""The paged, continuously batching engine: admission, prefill, decode, kvguard wired in.
+
+One step = admit and prefill what fits, then one batched decode over every running request. Before any
+forward reads the KV cache the tracker validates the rows it will read (one launch, no sync); the
+verdict comes back to the host with the sampled token ids, and flagged requests are aborted before any
+of their tokens from that step is streamed.
+
+Observers (the oracle, the injector, a client) receive events by method name; see ``_emit`` call sites.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kvguard import KVGuardViolation, NoopTracker
+
+from .kvcache import PagedKVCache
+from .memory import PageAllocator, ReqToPagePool
+from .radix import RadixCache
+from .requests import Event, Request
+
+KV_DTYPES = ("fp8", "bf16", "fp32")
+WEIGHT_DTYPES = ("int4", "bf16", "fp32")
+PAGE_SIZES = (1, 16, 64)
+MEMORY_BACKENDS = ("native", "sglang")
+BACKENDS = ("torch", "triton")
+
+
+class ConfigError(ValueError):
+    """An engine setting is not valid; the message names the field and the valid choices."""
+
+
+def _choice(field: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"engine.{field} = {value!r} is not valid; choose one of {list(valid)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes a run. Each default is written here once (CLI and scenarios read it)."""
+
+    model: str = "tiny"
+    kv_dtype: str = "fp8"
+    weight_dtype: str = "int4"
+    page_size: int = 16
+    kv_budget_mb: float = 4.0  # KV memory; pages = budget / page bytes (FP8 fits ~2x BF16)
+    num_pages: int = 0  # 0 = from kv_budget_mb
+    max_running: int = 16
+    max_context: int = 1024
+    backend: str = "torch"  # torch (references) | triton (kernels; CPU needs TRITON_INTERPRET=1)
+    memory: str = "native"  # native | sglang (SGLang 0.5.23's own bookkeeping classes)
+    prefix_cache: bool = True
+    batch_invariant: bool = True  # decode row by row, so outputs never depend on batch composition
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self):
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        _choice("page_size", self.page_size, PAGE_SIZES)
+        _choice("memory", self.memory, MEMORY_BACKENDS)
+        _choice("backend", self.backend, BACKENDS)
+        if self.max_running < 1 or self.max_context < 2:
+            raise ConfigError("engine.max_running must be >= 1 and engine.max_context >= 2")
+        if self.num_pages < 0 or self.kv_budget_mb <= 0:
+            raise ConfigError("engine.num_pages must be >= 0 and engine.kv_budget_mb > 0")
+
+
+@lru_cache(maxsize=8)
+def load_model(name: str, weight_dtype: str, backend: str, device: str, seed: int = 0):
+    """(LlamaModel, tokenizer or None), cached per process: weights never change during a run."""
+    from .config import get_preset
+    from .model import LlamaModel
+
+    if name == "smollm2":
+        from .gguf_loader import load_smollm2
+
+        config, weights, tokenizer = load_smollm2(weight_dtype=weight_dtype, device=device)
+    else:
+        from .weights import random_weights
+
+        config, tokenizer = get_preset(name), None
+        weights = random_weights(config, seed=seed, weight_dtype=weight_dtype, device=device)
+    return LlamaModel(config, weights, backend=backend), tokenizer
+
+
+class Engine:
+    """Continuous batching over a paged KV cache, with a kvguard tracker (no-op by default)."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), tracker=None, observers=()):
+        self.config = config
+        self.model, self.tokenizer = load_model(config.model, config.weight_dtype, config.backend,
+                                                config.device, config.seed)
+        mc = self.model.config
+        self.page_size = config.page_size
+        self.max_pages = -(-min(config.max_context, mc.max_context) // config.page_size)
+        num_pages = config.num_pages or PagedKVCache.pages_for_budget(
+            int(config.kv_budget_mb * 2**20), mc.n_layers, config.page_size, mc.n_kv_heads, mc.head_dim,
+            config.kv_dtype)
+        self.kv = PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
+                               dtype=config.kv_dtype, device=config.device, backend=config.backend)
+        self.tracker = tracker if tracker is not None else NoopTracker()
+        self.observers = list(observers)
+        self.allocator, self.req_pool = self._build_memory(num_pages)
+        self.cache = RadixCache(self.allocator, config.page_size, enabled=config.prefix_cache)
+        self.tracker.attach(num_pages=num_pages + 1, num_rows=config.max_running,
+                            max_entries=self.max_pages, device=config.device, page_size=config.page_size)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.done: list[Request] = []
+        self.step_id = 0
+        self._emit("on_engine", engine=self)
+
+    def _build_memory(self, num_pages: int):
+        listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]
+        if self.config.memory == "sglang":
+            from .sglang_memory import build_sglang_memory
+
+            return build_sglang_memory(self, num_pages, listeners)
+        return (PageAllocator(num_pages, listeners),
+                ReqToPagePool(self.config.max_running, self.max_pages, self.config.device))
+
+    # -- public API ---------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The engine's page table (int32 [rows, max_pages]); owned by the request pool."""
+        return self.req_pool.table
+
+    def add_request(self, request: Request) -> None:
+        if len(request.prompt) < 1 or request.max_new_tokens < 1:
+            raise ValueError(f"request {request.rid}: needs a non-empty prompt and max_new_tokens >= 1")
+        if request.pages_needed(self.page_size) > min(self.max_pages, self.num_pages):
+            raise ValueError(f"request {request.rid}: {len(request.prompt)} + {request.max_new_tokens} "
+                             f"tokens exceed the context ({self.max_pages * self.page_size} tokens)")
+        if request.temperature > 0:
+            request.generator = torch.Generator().manual_seed(request.seed)
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Event]:
+        """Admit + prefill, then one decode over the running batch; returns the client events."""
+        self.step_id += 1
+        events: list[Event] = []
+        self._emit("on_step_begin", engine=self, step=self.step_id)
+        decoding = list(self.running)
+        for request in self._admit():
+            self._prefill(request, events)
+        if decoding:
+            self._decode([r for r in decoding if r.status == "running"], events)
+        self._emit("on_step_end", engine=self, step=self.step_id)
+        return events
+
+    def run(self, max_steps: int = 1_000_000) -> list[Event]:
+        events = []
+        while self.has_work() and self.step_id < max_steps:
+            events.extend(self.step())
+        return events
+
+    def abort(self, request: Request, message: str, *, by_tracker: bool = False) -> Event:
+        """Abort one request and release exactly its pages."""
+        request.status, request.error = "aborted", message
+        self._release(request, publish=False, by_tracker=by_tracker)
+        self._emit("on_abort", request=request, step=self.step_id, by_tracker=by_tracker)
+        return Event(request.rid, "abort", self.step_id, message=message)
+
+    # -- accounting --------------------------------------------------------------------------------
+    def accounting(self) -> dict:
+        """free + owned by running requests + cached == total (SGLang's idle check, our terms)."""
+        owned = sum(r.n_pages - r.n_shared for r in self.running)
+        free = self.allocator.available()
+        cached = self.cache.num_pages
+        return {"total": self.num_pages, "free": free, "owned": owned, "cached": cached,
+                "balanced": free + owned + cached == self.num_pages}
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _reserved(self) -> int:
+        return sum(r.pages_needed(self.page_size) - r.n_pages for r in self.running)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_running and self.req_pool.can_alloc():
+            request = self.waiting[0]
+            spare = self.allocator.available() + self.cache.evictable_pages() - self._reserved()
+            if request.pages_needed(self.page_size) > spare:
+                break
+            self.waiting.pop(0)
+            request.status = "running"
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        if not self.allocator.can_alloc(n):
+            self.cache.evict(n - self.allocator.available())
+        return self.allocator.alloc(n)
+
+    def _grant(self, request: Request, first: int, pages: torch.Tensor) -> None:
+        """Map logical pages first.. of the request's row to ``pages`` and tell the tracker."""
+        previous = self.table[request.row, first:first + pages.numel()].tolist()  # stale entries
+        self.req_pool.write(request.row, first, pages)
+        self.tracker.record(request.row, first, pages)
+        request.n_pages = first + pages.numel()
+        self._emit("on_grant", request=request, first=first, pages=pages.tolist(), previous=previous,
+                   step=self.step_id)
+
+    # -- prefill -----------------------------------------------------------------------------------
+    def _prefill(self, request: Request, events: list[Event]) -> None:
+        ps = self.page_size
+        request.row = self.req_pool.alloc_row()
+        request.nodes = self.cache.match(request.prompt, max_pages=(len(request.prompt) - 1) // ps)
+        self.cache.lock(request.nodes)
+        request.n_shared = len(request.nodes)
+        shared = torch.tensor([n.page for n in request.nodes], dtype=torch.int64)
+        n_total = -(-len(request.prompt) // ps)
+        new = self._alloc(n_total - request.n_shared)
+        self._grant(request, 0, torch.cat([shared, new]))
+        self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
+        start = request.n_shared * ps
+        positions = torch.arange(start, len(request.prompt))
+        rows = torch.tensor([request.row], dtype=torch.int32)
+        block = self.table[request.row:request.row + 1, :n_total].clone()  # kernel-visible row
+        check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
+        slots = self._write_slots(block, torch.zeros_like(positions), positions)
+        slots = self._emit_writes([request] * len(positions), positions, slots)
+        logits = self._prefill_forward(torch.tensor(request.prompt[start:]), start, block[0], slots)
+        self._finish_step([request], logits, check, events)
+
+    # -- decode ------------------------------------------------------------------------------------
+    def _decode(self, batch: list[Request], events: list[Event]) -> None:
+        if not batch:
+            return
+        self._grow(batch)
+        self._emit("after_schedule", engine=self, step=self.step_id, kind="decode", requests=batch)
+        batch = [r for r in batch if r.status == "running"]
+        if not batch:
+            return
+        positions = torch.tensor([r.kv_len for r in batch])  # position of the token fed now
+        n_entries = [r.n_pages for r in batch]
+        width = max(n_entries)
+        rows = torch.tensor([r.row for r in batch], dtype=torch.int32)
+        block = self.table[rows.long(), :width]  # gather: the kernel-visible table
+        check = self._validate(block, rows, n_entries, batch, positions_read=(positions + 1).tolist())
+        slots = self._write_slots(block, torch.arange(len(batch)), positions)
+        slots = self._emit_writes(batch, positions, slots)
+        tokens = torch.tensor([r.tokens[-1] for r in batch])
+        logits = self._decode_forward(tokens, positions, block, slots)
+        self._finish_step(batch, logits, check, events)
+
+    def _grow(self, batch: list[Request]) -> None:
+        """Give each request whose next token starts a new page one more page."""
+        growing = [r for r in batch if r.kv_len // self.page_size >= r.n_pages]
+        if not growing:
+            return
+        pages = self._alloc(len(growing))
+        for request, page in zip(growing, pages):
+            self._grant(request, request.n_pages, page.view(1))
+
+    def _prefill_forward(self, tokens, start: int, page_row, slots) -> torch.Tensor:
+        if not self.config.batch_invariant:
+            return self.model.prefill(tokens, start, self.kv, page_row, slots, last_only=True)
+        # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
+        # the prefix came from the prefix cache, and every GEMM has one row: a prompt's logits do not
+        # depend on cache hits or on the shape of the prefill.
+        for t in range(tokens.numel()):
+            logits = self.model.prefill(tokens[t:t + 1], start + t, self.kv, page_row, slots[t:t + 1],
+                                        last_only=True)
+        return logits
+
+    def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
+        if not self.config.batch_invariant:
+            return self.model.decode(tokens, positions, self.kv, block, slots)
+        # NOTE: row by row, each request's logits are bit-identical whatever else is in the batch, so
+        # a chaos run can compare every non-victim's output with the fault-free run token for token.
+        return torch.cat([self.model.decode(tokens[b:b + 1], positions[b:b + 1], self.kv, block[b:b + 1],
+                                            slots[b:b + 1]) for b in range(tokens.numel())])
+
+    # -- shared step pieces ------------------------------------------------------------------------
+    def _validate(self, block, rows, n_entries, batch, positions_read):
+        self._emit("before_read", engine=self, step=self.step_id, requests=batch, lengths=positions_read)
+        return self.tracker.validate(block, rows, torch.tensor(n_entries, dtype=torch.int32),
+                                     max_entries=block.shape[1], source=self.table, source_rows=rows,
+                                     entries_hint=sum(n_entries))
+
+    def _write_slots(self, block, batch_index, positions) -> torch.Tensor:
+        ps = self.page_size
+        return block[batch_index, positions // ps].long() * ps + positions % ps
+
+    def _emit_writes(self, requests, positions, slots) -> torch.Tensor:
+        for obs in self.observers:
+            mutate = getattr(obs, "mutate_write_slots", None)
+            if mutate is not None:
+                slots = mutate(engine=self, requests=requests, positions=positions, slots=slots)
+        self._emit("on_write", requests=requests, positions=positions.tolist(), slots=slots.tolist(),
+                   step=self.step_id)
+        return slots
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
+        if request.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / request.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=request.generator))
+
+    def _finish_step(self, batch, logits, check, events) -> None:
+        # The one host sync of the step: sampled ids and the verdict come back together.
+        verdict = None if check is None else check.verdict.cpu()
+        violations = self.tracker.resolve(check, verdict, [r.rid for r in batch])
+        flagged = {v.request_id: v for v in violations}
+        for b, request in enumerate(batch):
+            if request.rid in flagged:
+                events.append(self._abort_flagged(request, flagged[request.rid]))
+                continue
+            token = self._sample(request, logits[b])
+            request.output.append(token)
+            events.append(Event(request.rid, "token", self.step_id, token=token))
+            self._emit("on_token", request=request, token=token, step=self.step_id)
+            if self._is_finished(request, token):
+                events.append(self._complete(request))
+
+    def _abort_flagged(self, request: Request, violation: KVGuardViolation) -> Event:
+        self.tracker.note_aborted(1)
+        return self.abort(request, str(violation), by_tracker=True)
+
+    def _is_finished(self, request: Request, token: int) -> bool:
+        if token in request.stop_ids:
+            request.finish_reason = "stop"
+        elif len(request.output) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        elif len(request.tokens) >= self.max_pages * self.page_size:
+            request.finish_reason = "context"
+        return request.finish_reason is not None
+
+    def _complete(self, request: Request) -> Event:
+        request.status = "finished"
+        self._release(request, publish=True)
+        self._emit("on_finish", request=request, step=self.step_id)
+        return Event(request.rid, "finish", self.step_id, message=request.finish_reason)
+
+    # -- release -----------------------------------------------------------------------------------
+    def _release(self, request: Request, *, publish: bool, by_tracker: bool = False) -> None:
+        """Publish (on finish) or drop the request's pages, unlock its prefix, free its row."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.done.append(request)
+        if request.row is None:
+            return
+        owned = self.table[request.row, request.n_shared:request.n_pages].long()
+        if by_tracker:
+            # NOTE: the row failed its check, so it may name pages that belong to someone else now;
+            # free only the pages the tracker confirms this request still holds (a leak beats a
+            # second corruption).
+            owned = self.tracker.held_pages(request.row, request.n_shared, request.n_pages)
+        if publish:  # the cache takes the full pages it does not hold yet; the rest is freed
+            pages = self.table[request.row, :request.n_pages].tolist()
+            rejected = self.cache.insert(request.tokens[:request.kv_len], pages)
+            owned = torch.tensor(rejected, dtype=torch.int64)
+        self.cache.unlock(request.nodes)
+        self.allocator.free(owned)
+        self.tracker.drop(request.row)
+        self.req_pool.free_row(request.row)
+        request.row = None
+
+    def _emit(self, name: str, **payload) -> None:
+        for obs in self.observers:
+            handler = getattr(obs, name, None)
+            if handler is not None:
+                handler(**payload)

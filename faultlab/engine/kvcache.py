@@ -1,0 +1,122 @@
+"""The paged KV cache: per-layer K/V page pools (page 0 = scratch, guard pages after the pool)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+BACKENDS = ("torch", "triton")
+_GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
+
+
+def _kernels(backend: str):
+    """(store_kv, paged_decode_attention) of `backend`: Triton launchers or torch references."""
+    from kvguard.kernels import kv_store, paged_attention
+
+    if backend == "triton":
+        return kv_store.store_kv, paged_attention.paged_decode_attention
+    return kv_store.store_kv_ref, paged_attention.paged_decode_attention_ref
+
+
+def _check_choice(what: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid: {list(valid)}")
+
+
+def _per_layer(value: float | Sequence[float], n_layers: int, what: str) -> list[float]:
+    values = [float(value)] * n_layers if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != n_layers or any(not v > 0 for v in values):
+        raise ValueError(f"{what} must be a positive float or {n_layers} positive floats, got {value!r}")
+    return values
+
+
+class PagedKVCache:
+    """K/V pages for every layer, in the layout of docs/structures.md.
+
+    Per layer `k[layer], v[layer]: [num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]`.
+    Page 0 is scratch and pages past `num_pages` are guard pages; both hold seeded garbage.
+    FP8 stores `(x / scale)` with one scalar scale per layer for K and one for V.
+    """
+
+    def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: str = "bf16", device="cpu", backend: str = "torch", guard_pages: int = 4,
+                 k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0):
+        _check_choice("kv dtype", dtype, KV_DTYPES)
+        _check_choice("backend", backend, BACKENDS)
+        if num_pages < 1 or page_size < 1 or guard_pages < 0:
+            raise ValueError(f"need num_pages >= 1, page_size >= 1, guard_pages >= 0; got "
+                             f"{num_pages}, {page_size}, {guard_pages}")
+        self.n_layers, self.num_pages, self.page_size = n_layers, num_pages, page_size
+        self.n_kv_heads, self.head_dim, self.guard_pages = n_kv_heads, head_dim, guard_pages
+        self.dtype, self.torch_dtype, self.backend = dtype, KV_DTYPES[dtype], backend
+        self.device = torch.device(device)
+        # NOTE: per-layer scalar scales, the granularity of SGLang's MHATokenToKVPool. e4m3 precision
+        # is relative (3 mantissa bits at any magnitude), so the scale only has to keep |x| / scale
+        # inside the e4m3 range (448) and above its subnormals; 1.0 suits typical Llama K/V.
+        # The kernels ignore the scales of BF16/FP32 caches, and so does `gather`.
+        self.k_scale = _per_layer(k_scale, n_layers, "k_scale")
+        self.v_scale = _per_layer(v_scale, n_layers, "v_scale")
+        shape = (num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
+        self._fill_garbage()
+        self._store, self._attend = _kernels(backend)
+
+    def _fill_garbage(self) -> None:
+        """Seeded noise in page 0 and the guard pages: reading them visibly corrupts attention."""
+        gen = torch.Generator(device=self.device).manual_seed(_GARBAGE_SEED)
+        outside = [0, *range(self.num_pages + 1, self.num_pages + 1 + self.guard_pages)]
+        for cache in (*self.k, *self.v):
+            noise = torch.randn((len(outside), *cache.shape[1:]), generator=gen, device=self.device) * 4.0
+            cache[outside] = noise.to(self.torch_dtype)
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the usable pages hold."""
+        return self.num_pages * self.page_size
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        return token_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
+
+    @classmethod
+    def pages_for_budget(cls, budget_bytes: int, n_layers: int, page_size: int, n_kv_heads: int,
+                         head_dim: int, dtype: str, guard_pages: int = 4) -> int:
+        """Usable pages that fit `budget_bytes` with scratch and guard pages included.
+
+        Equal budgets give FP8 about twice the pages (tokens) of BF16.
+        """
+        _check_choice("kv dtype", dtype, KV_DTYPES)
+        page_bytes = page_size * token_bytes(n_layers, n_kv_heads, head_dim, dtype)
+        pages = budget_bytes // page_bytes - 1 - guard_pages
+        if pages < 1:
+            raise ValueError(f"budget_bytes {budget_bytes} holds no usable page of {page_bytes} bytes "
+                             f"(plus {1 + guard_pages} scratch/guard pages)")
+        return int(pages)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write k, v [T, Hkv, D] to flat slots [T] (long) of `layer`, quantizing to the cache dtype."""
+        self._store(k, v, self.k[layer], self.v[layer], slots, self.k_scale[layer], self.v_scale[layer])
+
+    def decode_attention(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """Paged decode attention of q [B, H, D] over `seq_lens` [B] tokens of block_table [B, P]."""
+        return self._attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
+                            self.k_scale[layer], self.v_scale[layer])
+
+    def gather(self, layer: int, page_row: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n_tokens` of one page row, dequantized: (k, v) float32 [n_tokens, Hkv, D]."""
+        n_pages = -(-n_tokens // self.page_size)
+        pages = page_row[:n_pages].long()
+        k = self.k[layer][pages].flatten(0, 1)[:n_tokens].float()
+        v = self.v[layer][pages].flatten(0, 1)[:n_tokens].float()
+        if self.dtype == "fp8":  # the scales apply to FP8 caches only
+            k, v = k * self.k_scale[layer], v * self.v_scale[layer]
+        return k, v
+
+
+def token_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """K and V bytes of one token over all layers for a cache dtype name."""
+    _check_choice("kv dtype", dtype, KV_DTYPES)
+    return 2 * n_layers * n_kv_heads * head_dim * KV_DTYPES[dtype].itemsize

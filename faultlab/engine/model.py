@@ -1,0 +1,192 @@
+"""A Llama decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, with prefill and batched decode."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from faultlab.engine.config import ModelConfig
+from faultlab.engine.kvcache import BACKENDS, PagedKVCache
+from faultlab.engine.weights import Int4Weight, Linear, ModelWeights, concat_rows
+
+
+@dataclass(frozen=True, eq=False)
+class _Layer:
+    """A block's weights as the forward uses them: q/k/v and gate/up fused along the rows."""
+
+    attn_norm: torch.Tensor  # float32 [hidden]
+    wqkv: Linear  # [q_dim + 2 * kv_dim, hidden]
+    wo: Linear  # [hidden, q_dim]
+    ffn_norm: torch.Tensor  # float32 [hidden]
+    w_gate_up: Linear  # [2 * ffn, hidden]
+    w_down: Linear  # [hidden, ffn]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] normalised in float32, scaled by weight [H], back in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: float32 [max_context, head_dim // 2] for the interleaved-pair RoPE."""
+    d = config.head_dim
+    inv_freq = config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+    angles = torch.arange(config.max_context, dtype=torch.float64, device=device)[:, None] * inv_freq
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x [T, H, D] by cos/sin [T, D/2] (GGUF/llama.cpp's convention)."""
+    # NOTE: interleaved pairs, not rotate-half: the GGUF q/k rows are permuted for this form
+    # (see gguf_loader); for random weights the two forms are equally valid.
+    xf = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _causal_mask(t: int, start_pos: int, device) -> torch.Tensor:
+    """bool [T, start_pos + T]: query i sees keys j <= start_pos + i."""
+    rows = torch.arange(t, device=device)[:, None] + start_pos
+    return torch.arange(start_pos + t, device=device)[None, :] <= rows
+
+
+class LlamaModel:
+    """Llama forward over a `PagedKVCache`.
+
+    backend "triton": INT4 linears through `int4_linear`, K/V store and decode attention through the
+    Triton kernels. backend "torch": torch references, and INT4 weights dequantized once to float32
+    (cached) so every linear is one dense GEMM.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, backend: str = "torch",
+                 act_dtype: torch.dtype | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid: {list(BACKENDS)}")
+        self.config, self.backend = config, backend
+        self.device = weights.embedding.device
+        self.act_dtype = act_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.embedding, self.final_norm = weights.embedding, weights.final_norm
+        self.output = self._prepare(weights.output)
+        self.layers = [self._prepare_layer(lw) for lw in weights.layers]
+        self.cos, self.sin = rope_tables(config, self.device)
+        self.sm_scale = config.head_dim ** -0.5
+
+    def _prepare(self, w: Linear) -> Linear:
+        # NOTE: the torch backend dequantizes each INT4 matrix ONCE (dequantize_int4, float32) and
+        # keeps the float matrix: y = x @ W.T is then exactly int4_linear_ref's math, without
+        # re-expanding the nibbles at every step (the CPU fast path).
+        if isinstance(w, Int4Weight) and self.backend == "torch":
+            return w.dequantize()
+        return w
+
+    def _prepare_layer(self, lw) -> _Layer:
+        # NOTE: fusing q/k/v and gate/up is exact (row concatenation, INT4 included) and halves the
+        # number of GEMMs per block.
+        return _Layer(attn_norm=lw.attn_norm, wqkv=self._prepare(concat_rows([lw.wq, lw.wk, lw.wv])),
+                      wo=self._prepare(lw.wo), ffn_norm=lw.ffn_norm,
+                      w_gate_up=self._prepare(concat_rows([lw.w_gate, lw.w_up])), w_down=self._prepare(lw.w_down))
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        """y [M, N] = x [M, K] @ W.T in the activation dtype."""
+        if isinstance(w, Int4Weight):
+            from kvguard.kernels.int4_gemm import int4_linear
+
+            return int4_linear(x, w.qweight, w.scales, w.mins, w.group_size).to(self.act_dtype)
+        return F.linear(x.to(w.dtype), w).to(self.act_dtype)
+
+    # ---- shared pieces -------------------------------------------------------------------------
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding[tokens].to(self.act_dtype)  # [T, hidden]
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor):
+        """q [T, Hq, D], k/v [T, Hkv, D] of x [T, hidden] at positions [T], RoPE applied."""
+        c = self.config
+        h = rms_norm(x, layer.attn_norm, c.rms_eps)
+        q, k, v = self.linear(h, layer.wqkv).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
+        return q, k, v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, layer.ffn_norm, self.config.rms_eps)
+        gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [T, ffn] each
+        return self.linear(F.silu(gate) * up, layer.w_down)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.final_norm, self.config.rms_eps)
+        return self.linear(h, self.output).float()  # [T, vocab]
+
+    def _check_positions(self, last: int) -> None:
+        if last >= self.config.max_context:
+            raise ValueError(f"position {last} is past max_context {self.config.max_context}")
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def _prefill_attention(self, q, k, v, start_pos: int) -> torch.Tensor:
+        """Causal GQA of q [T, Hq, D] over k/v [S, Hkv, D] (S = start_pos + T) -> [T, Hq * D]."""
+        t, hkv = q.shape[0], k.shape[1]
+        g = q.shape[1] // hkv
+        qh = q.unflatten(1, (hkv, g)).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+        kh = k.permute(1, 0, 2)[:, None].expand(-1, g, -1, -1)  # [Hkv, G, S, D]
+        vh = v.permute(1, 0, 2)[:, None].expand(-1, g, -1, -1)
+        if start_pos == 0:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.sm_scale)
+        else:
+            mask = _causal_mask(t, start_pos, q.device)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.sm_scale)
+        return out.permute(2, 0, 1, 3).flatten(1)  # [T, Hq * D]
+
+    def _prefill_layer(self, i: int, x, positions, start_pos, kv, page_row, write_slots):
+        layer = self.layers[i]
+        q, k, v = self._qkv(layer, x, positions)
+        kv.store(i, k, v, write_slots)
+        if start_pos > 0:  # the cached prefix, dequantized from the pages
+            k_old, v_old = kv.gather(i, page_row, start_pos)
+            k = torch.cat([k_old.to(k.dtype), k])
+            v = torch.cat([v_old.to(v.dtype), v])
+        x = x + self.linear(self._prefill_attention(q, k, v, start_pos), layer.wo)
+        return x + self._mlp(layer, x)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, start_pos: int, kv: PagedKVCache, page_row: torch.Tensor,
+                write_slots: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Run tokens [T] at positions start_pos..start_pos+T-1 -> logits float32 [T, vocab].
+
+        Positions < start_pos are read from `kv` through page_row (int32 [P]); the new K/V are stored
+        at write_slots (long [T]) and attended with their fresh (unquantized) values, causally.
+        `last_only` returns the logits of the last token only ([1, vocab]).
+        """
+        t = tokens.shape[0]
+        self._check_positions(start_pos + t - 1)
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        x = self._embed(tokens)
+        for i in range(len(self.layers)):
+            x = self._prefill_layer(i, x, positions, start_pos, kv, page_row, write_slots)
+        return self._logits(x[-1:] if last_only else x)
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
+               block_table: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+        """One decode step of B requests -> logits float32 [B, vocab].
+
+        tokens [B] at positions [B] (long); their K/V are stored at write_slots [B] (long), then paged
+        decode attention reads block_table (int32 [B, P]) over seq_lens = positions + 1.
+        """
+        if positions.device.type == "cpu":  # no host sync on an accelerator
+            self._check_positions(int(positions.max()))
+        seq_lens = (positions + 1).to(torch.int32)
+        x = self._embed(tokens)  # [B, hidden]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            kv.store(i, k, v, write_slots)
+            attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale)  # [B, Hq, D]
+            x = x + self.linear(attn.flatten(1).to(self.act_dtype), layer.wo)
+            x = x + self._mlp(layer, x)
+        return self._logits(x)

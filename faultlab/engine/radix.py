@@ -1,0 +1,123 @@
+"""A page-granular prefix cache: finished requests publish their full pages; new requests share them.
+
+Each node holds one full page (``page_size`` tokens) and is keyed by those tokens under its parent, so
+a path from the root spells a token prefix. Running requests lock the nodes they share
+(``lock_ref``); only unlocked leaves are evicted, least recently used first, and eviction frees their
+pages through the allocator. The cache owns the pages of its nodes.
+"""
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .memory import PageAllocator
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    page: int
+    parent: "Node | None"
+    children: dict = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+class RadixCache:
+    """Prefix cache over full pages. ``match`` + ``lock`` on admission, ``insert`` + ``unlock`` on finish."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.enabled = enabled
+        self.root = Node(key=(), page=-1, parent=None)
+        self._clock = itertools.count(1)
+        self.num_pages = 0
+        self.evictions = 0  # pages evicted so far
+
+    # -- lookup --------------------------------------------------------------------------------------
+    def match(self, tokens: list[int], max_pages: int) -> list[Node]:
+        """Nodes of the longest cached prefix of ``tokens``, at most ``max_pages`` pages."""
+        nodes, node, ps = [], self.root, self.page_size
+        if not self.enabled:
+            return nodes
+        for j in range(min(max_pages, len(tokens) // ps)):
+            child = node.children.get(tuple(tokens[j * ps:(j + 1) * ps]))
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        now = next(self._clock)
+        for n in nodes:
+            n.last_access = now
+        return nodes
+
+    def lock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            n.lock_ref += 1
+
+    def unlock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            n.lock_ref -= 1
+            assert n.lock_ref >= 0, f"lock_ref underflow on page {n.page}"
+
+    # -- publish -------------------------------------------------------------------------------------
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Publish the full pages of a finished request; return pages the cache did NOT take (to free)."""
+        ps = self.page_size
+        n_full = min(len(pages), len(tokens) // ps) if self.enabled else 0
+        node, rejected, now = self.root, [], next(self._clock)
+        for j in range(n_full):
+            key = tuple(tokens[j * ps:(j + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key=key, page=pages[j], parent=node, last_access=now)
+                node.children[key] = child
+                self.num_pages += 1
+            elif child.page != pages[j]:
+                rejected.append(pages[j])  # the cache already holds this prefix page
+            child.last_access = now
+            node = child
+        return rejected + list(pages[n_full:])
+
+    # -- eviction ------------------------------------------------------------------------------------
+    def evictable_leaves(self) -> list[Node]:
+        return [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+
+    def evictable_pages(self) -> int:
+        """Pages that eviction could free now (unlocked subtrees)."""
+        return sum(1 for n in self._nodes() if self._unlocked_subtree(n))
+
+    def evict(self, n_pages: int, *, allow_locked: bool = False) -> list[int]:
+        """Free up to ``n_pages`` pages of LRU unlocked leaves; return the freed pages."""
+        freed = []
+        while len(freed) < n_pages:
+            leaves = [n for n in self._nodes() if not n.children and (allow_locked or n.lock_ref == 0)]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: n.last_access)
+            freed.append(self.remove(victim))
+            self.evictions += 1
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
+        return freed
+
+    def remove(self, node: Node) -> int:
+        """Unlink a leaf (its page is the caller's to free)."""
+        assert not node.children, "only leaves are removed"
+        del node.parent.children[node.key]
+        self.num_pages -= 1
+        return node.page
+
+    def pages(self) -> list[int]:
+        return [n.page for n in self._nodes()]
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def _unlocked_subtree(self, node: Node) -> bool:
+        return node.lock_ref == 0 and all(self._unlocked_subtree(c) for c in node.children.values())

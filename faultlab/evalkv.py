@@ -1,0 +1,107 @@
+"""How much an FP8 KV cache changes the model: next-token agreement and KL against a BF16 KV cache.
+
+Teacher-forced over real English text (the stdlib's `pydoc_data.topics`): each window is fed in
+chunks through `prefill`, the earlier chunks read back from the paged cache, so the cache dtype is
+what differs between the two runs (same INT4 weights, same activations).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from faultlab.engine.kvcache import PagedKVCache
+from faultlab.engine.model import LlamaModel
+
+
+@functools.lru_cache(maxsize=2)
+def english_tokens(model_name: str = "smollm2") -> tuple[int, ...]:
+    """Token ids of the stdlib language reference, topics in sorted order (deterministic)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[name].strip() for name in sorted(topics))
+    return tuple(_tokenizer(model_name).encode(text))
+
+
+def _check_model(model_name: str) -> None:
+    if model_name != "smollm2":
+        raise ValueError(f"eval_kv needs a real model; unknown model_name {model_name!r}; valid: ['smollm2']")
+
+
+def _tokenizer(model_name: str):
+    from faultlab.engine.gguf_loader import load_tokenizer
+
+    _check_model(model_name)
+    return load_tokenizer()
+
+
+def _load(model_name: str, weight_dtype: str, device: str):
+    from faultlab.engine.gguf_loader import load_smollm2
+
+    _check_model(model_name)
+    return load_smollm2(weight_dtype, device)
+
+
+def _page_row(n_tokens: int, page_size: int, device) -> torch.Tensor:
+    return torch.arange(1, -(-n_tokens // page_size) + 1, dtype=torch.int32, device=device)  # [P]
+
+
+def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int):
+    """Logits float32 [T, V] of one window fed chunk by chunk into a fresh cache of `kv_dtype`."""
+    c, device = model.config, tokens.device
+    page_row = _page_row(tokens.numel(), page_size, device)
+    kv = PagedKVCache(c.n_layers, page_row.numel(), page_size, c.n_kv_heads, c.head_dim, kv_dtype,
+                      device, model.backend)
+    pos = torch.arange(tokens.numel(), device=device)
+    slots = page_row[pos // page_size].long() * page_size + pos % page_size  # [T]
+    out = [model.prefill(tokens[s:s + chunk], s, kv, page_row, slots[s:s + chunk])
+           for s in range(0, tokens.numel(), chunk)]
+    return torch.cat(out)
+
+
+def _compare(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[int, float, float]:
+    """(top-1 matches, sum of KL(ref || test) in nats, max KL) over the rows."""
+    ref_lp, test_lp = ref_logits.double().log_softmax(-1), test_logits.double().log_softmax(-1)
+    kl = (ref_lp.exp() * (ref_lp - test_lp)).sum(-1).clamp_min(0.0)  # [T]
+    agree = int((ref_logits.argmax(-1) == test_logits.argmax(-1)).sum())
+    return agree, float(kl.sum()), float(kl.max())
+
+
+def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
+            page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
+            backend: str = "torch", device: str = "cpu") -> dict:
+    """Compare `test_kv` (FP8) against `ref_kv` (BF16) KV caches over >= `n_positions` positions.
+
+    Returns {"positions", "top1_agreement", "mean_kl", "max_kl"}; KL(p_ref || p_test) in nats.
+    """
+    if n_positions < 1 or chunk < 1 or window <= chunk:
+        raise ValueError(f"need n_positions >= 1 and window > chunk >= 1; got {n_positions}, {window}, {chunk}")
+    config, weights, _ = _load(model_name, weight_dtype, device)
+    model = LlamaModel(config, weights, backend=backend, act_dtype=torch.float32)
+    text = torch.tensor(english_tokens(model_name), device=device)
+    # NOTE: only positions after the first chunk of a window are counted: the first chunk attends to
+    # its own fresh K/V only, so it is identical for both caches and would inflate the agreement.
+    counted, agree, kl_sum, kl_max, start = 0, 0, 0.0, 0.0, 0
+    while counted < n_positions:
+        length = min(window, chunk + n_positions - counted)
+        if start + length > text.numel():
+            raise ValueError(f"n_positions {n_positions} needs more text than the {text.numel()} tokens available")
+        tokens = text[start:start + length]
+        ref = _window_logits(model, tokens, ref_kv, chunk, page_size)[chunk:]
+        test = _window_logits(model, tokens, test_kv, chunk, page_size)[chunk:]
+        a, s, m = _compare(ref, test)
+        counted, agree, kl_sum, kl_max, start = counted + ref.shape[0], agree + a, kl_sum + s, max(kl_max, m), start + length
+    return {"positions": counted, "top1_agreement": agree / counted, "mean_kl": kl_sum / counted, "max_kl": kl_max}
+
+
+def main() -> None:
+    """`python -m faultlab.evalkv [n_positions]`: print the comparison as JSON."""
+    import json
+    import sys
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    print(json.dumps(eval_kv(n_positions=n), indent=2))
+
+
+if __name__ == "__main__":
+    main()

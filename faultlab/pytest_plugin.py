@@ -1,0 +1,1 @@
+"""faultlab pytest plugin (stub; being written)."""
