@@ -43,7 +43,7 @@ class SGLangStyleChecks:
 
     def __init__(self):
         self.fired: dict[str, int | None] = {"duplicate_free_pages": None, "owner_page_in_free_list": None,
-                                             "accounting_at_idle": None}
+                                             "accounting_at_idle": None, "lock_ref_underflow": None}
 
     def on_step_end(self, engine, step):
         free = set(engine.allocator.free_pages.tolist())
@@ -52,6 +52,8 @@ class SGLangStyleChecks:
         for r in engine.running:
             if r.row is not None and free & set(engine.table[r.row, :r.n_pages].tolist()):
                 self._fire("owner_page_in_free_list", step)
+        if engine.cache.lock_underflows:
+            self._fire("lock_ref_underflow", step)
         if not engine.running and not engine.waiting and not engine.accounting()["balanced"]:
             self._fire("accounting_at_idle", step)
 

@@ -14,13 +14,20 @@ from faultlab.engine.kvcache import PagedKVCache
 from faultlab.engine.model import LlamaModel
 
 
-@functools.lru_cache(maxsize=2)
-def english_tokens(model_name: str = "smollm2") -> tuple[int, ...]:
-    """Token ids of the stdlib language reference, topics in sorted order (deterministic)."""
+@functools.lru_cache(maxsize=4)
+def english_tokens(n_tokens: int, model_name: str = "smollm2") -> tuple[int, ...]:
+    """At least `n_tokens` token ids of the stdlib language reference (topics in sorted order).
+
+    Topics are tokenized one by one (each followed by a blank line) until there are enough.
+    """
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[name].strip() for name in sorted(topics))
-    return tuple(_tokenizer(model_name).encode(text))
+    tokenizer, ids = _tokenizer(model_name), []
+    for name in sorted(topics):
+        ids += tokenizer.encode(topics[name].strip() + "\n\n")
+        if len(ids) >= n_tokens:
+            return tuple(ids)
+    raise ValueError(f"n_tokens {n_tokens} is more than the {len(ids)} tokens of pydoc_data.topics")
 
 
 def _check_model(model_name: str) -> None:
@@ -67,10 +74,20 @@ def _compare(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[int, 
     return agree, float(kl.sum()), float(kl.max())
 
 
+def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, length) of consecutive windows that count n_positions positions after their first chunk."""
+    spans, start, left = [], 0, n_positions
+    while left > 0:
+        length = min(window, chunk + left)
+        spans.append((start, length))
+        start, left = start + length, left - (length - chunk)
+    return spans
+
+
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
             backend: str = "torch", device: str = "cpu") -> dict:
-    """Compare `test_kv` (FP8) against `ref_kv` (BF16) KV caches over >= `n_positions` positions.
+    """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
     Returns {"positions", "top1_agreement", "mean_kl", "max_kl"}; KL(p_ref || p_test) in nats.
     """
@@ -78,20 +95,19 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
         raise ValueError(f"need n_positions >= 1 and window > chunk >= 1; got {n_positions}, {window}, {chunk}")
     config, weights, _ = _load(model_name, weight_dtype, device)
     model = LlamaModel(config, weights, backend=backend, act_dtype=torch.float32)
-    text = torch.tensor(english_tokens(model_name), device=device)
-    # NOTE: only positions after the first chunk of a window are counted: the first chunk attends to
-    # its own fresh K/V only, so it is identical for both caches and would inflate the agreement.
-    counted, agree, kl_sum, kl_max, start = 0, 0, 0.0, 0.0, 0
-    while counted < n_positions:
-        length = min(window, chunk + n_positions - counted)
-        if start + length > text.numel():
-            raise ValueError(f"n_positions {n_positions} needs more text than the {text.numel()} tokens available")
+    spans = _windows(n_positions, window, chunk)
+    text = torch.tensor(english_tokens(sum(n for _, n in spans), model_name), device=device)
+    agree, kl_sum, kl_max = 0, 0.0, 0.0
+    for start, length in spans:
         tokens = text[start:start + length]
+        # NOTE: the first chunk of a window attends to its own fresh K/V only, identical for both
+        # caches, so it is left out of the counts (it would inflate the agreement).
         ref = _window_logits(model, tokens, ref_kv, chunk, page_size)[chunk:]
         test = _window_logits(model, tokens, test_kv, chunk, page_size)[chunk:]
         a, s, m = _compare(ref, test)
-        counted, agree, kl_sum, kl_max, start = counted + ref.shape[0], agree + a, kl_sum + s, max(kl_max, m), start + length
-    return {"positions": counted, "top1_agreement": agree / counted, "mean_kl": kl_sum / counted, "max_kl": kl_max}
+        agree, kl_sum, kl_max = agree + a, kl_sum + s, max(kl_max, m)
+    return {"positions": n_positions, "top1_agreement": agree / n_positions, "mean_kl": kl_sum / n_positions,
+            "max_kl": kl_max}
 
 
 def main() -> None:

@@ -1,1 +1,332 @@
-"""faultlab pytest plugin (stub; being written)."""
+"""faultlab's pytest plugin (registered through the ``pytest11`` entry point).
+
+What it adds to every pytest run in an environment where faultlab is installed:
+
+- ``--faultlab-seed=N|last|random`` (group ``faultlab``): one seed per session, printed in the run
+  header. ``random`` (the default) draws a fresh one; ``last`` reuses the previous session's seed
+  (stored in the pytest cache, or in ``<rootdir>/.faultlab-seed`` when the cache plugin is off).
+- fixtures: ``faultlab_seed``, ``kv_engine`` (factory), ``kv_tracker``, ``kv_injector`` (factory),
+  ``kvfault`` and ``chaos_runner`` (factory).
+- the marker ``@pytest.mark.kvfault(name, seed=None, trigger="step", step=3, count=1)``: engines built
+  by ``kv_engine`` in that test run with the fault injected.
+
+This module stays light: torch and faultlab.engine are imported only inside fixtures and hooks that
+need them, so a pytest run that never touches faultlab pays nothing for the plugin.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SEED_OPTION = "--faultlab-seed"
+SEED_CACHE_KEY = "faultlab/seed"
+SEED_FILE = ".faultlab-seed"
+SEED_MAX = 2**32 - 1
+_SEED_KEY = pytest.StashKey[int]()
+_SEED_NOTE_KEY = pytest.StashKey[str]()
+_FIXTURES = {"faultlab_seed", "kv_engine", "kv_injector", "kvfault", "chaos_runner", "kv_tracker"}
+
+MARKER_DOC = ("kvfault(name, seed=None, trigger='step', step=3, count=1, event='alloc', p=0.1): "
+              "engines built by the kv_engine fixture run with this faultlab fault injected "
+              "(seed defaults to the session's --faultlab-seed)")
+
+
+# -- options and the session seed ------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("faultlab", "faultlab fault injection")
+    group.addoption(SEED_OPTION, action="store", default="random", dest="faultlab_seed",
+                    metavar="N|last|random",
+                    help="seed of faultlab's fixtures and faults: an integer, 'last' (the previous "
+                         "session's seed) or 'random' (default: a fresh seed, printed in the header)")
+
+
+def _parse_seed(value: str) -> int | str:
+    """An int seed, or the words ``last`` / ``random``; anything else is a usage error."""
+    value = str(value).strip().lower()
+    if value in ("last", "random"):
+        return value
+    try:
+        seed = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_OPTION}={value!r} is not valid; use an integer, 'last' or 'random'")
+    if not 0 <= seed <= SEED_MAX:
+        raise pytest.UsageError(f"{SEED_OPTION}={seed} is out of range; use 0..{SEED_MAX}")
+    return seed
+
+
+def _seed_file(config: pytest.Config) -> Path:
+    return Path(config.rootpath) / SEED_FILE
+
+
+def _load_last_seed(config: pytest.Config) -> int | None:
+    """The previous session's seed: the pytest cache if it is on, else the seed file."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        seed = cache.get(SEED_CACHE_KEY, None)
+        if isinstance(seed, int):
+            return seed
+    try:
+        return int(_seed_file(config).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _store_seed(config: pytest.Config, seed: int) -> None:
+    """Remember ``seed`` for ``--faultlab-seed=last`` (best effort: a read-only tree is fine)."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        cache.set(SEED_CACHE_KEY, seed)
+        return
+    try:
+        _seed_file(config).write_text(f"{seed}\n")
+    except OSError:
+        pass
+
+
+def _resolve_seed(config: pytest.Config) -> tuple[int, str]:
+    """(seed, how it was chosen) for this session."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and "faultlab_seed" in workerinput:  # pytest-xdist worker
+        return int(workerinput["faultlab_seed"]), "from the xdist controller"
+    wanted = _parse_seed(config.getoption("faultlab_seed"))
+    if isinstance(wanted, int):
+        return wanted, f"{SEED_OPTION}={wanted}"
+    if wanted == "last":
+        last = _load_last_seed(config)
+        if last is not None:
+            return last, f"{SEED_OPTION}=last"
+        return random.SystemRandom().randint(0, SEED_MAX), "no previous seed found, drew a fresh one"
+    return random.SystemRandom().randint(0, SEED_MAX), "random"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_DOC)
+    seed, note = _resolve_seed(config)
+    config.stash[_SEED_KEY] = seed
+    config.stash[_SEED_NOTE_KEY] = note
+    if getattr(config, "workerinput", None) is None:
+        _store_seed(config, seed)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist: every worker uses the controller's seed."""
+    node.workerinput["faultlab_seed"] = node.config.stash[_SEED_KEY]
+
+
+def session_seed(config: pytest.Config) -> int:
+    """The seed of this pytest session."""
+    return config.stash[_SEED_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.stash[_SEED_KEY]
+    return f"faultlab: seed={seed} ({config.stash[_SEED_NOTE_KEY]}; rerun with {SEED_OPTION}={seed})"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """A failed test that used faultlab names the seed that reproduces it."""
+    report = yield
+    if report.failed and _FIXTURES & set(getattr(item, "fixturenames", ())):
+        seed = item.config.stash[_SEED_KEY]
+        report.sections.append(("faultlab", f"seed={seed}; reproduce with {SEED_OPTION}={seed}"))
+    return report
+
+
+# -- the kvfault marker ----------------------------------------------------------------------------
+@dataclass
+class KVFault:
+    """The fault a ``@pytest.mark.kvfault`` test runs under, and every injector built for it."""
+
+    name: str
+    seed: int
+    trigger: object  # faultlab.faults.injector.Trigger
+    count: int = 1
+    injectors: list = field(default_factory=list)
+
+    def injector(self):
+        """A fresh Injector for this fault (one per engine: injectors keep per-engine state)."""
+        from faultlab.faults.injector import Injector
+
+        injector = Injector(self.name, self.trigger, self.count, self.seed)
+        self.injectors.append(injector)
+        return injector
+
+    @property
+    def injected(self) -> list[dict]:
+        """Every strike so far, over all engines of the test."""
+        return [strike for inj in self.injectors for strike in inj.injected]
+
+
+def make_trigger(trigger="step", *, step: int = 3, event: str = "alloc", p: float = 0.1):
+    """A ``Trigger`` from a mode name (``step`` / ``event`` / ``prob``) or a ready Trigger."""
+    from faultlab.faults.injector import Trigger
+
+    if isinstance(trigger, Trigger):
+        return trigger
+    return Trigger(mode=trigger, step=step, event=event, p=p)
+
+
+def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
+    """The item's kvfault marker as a KVFault; fails the test for an unknown fault or bad trigger."""
+    marker = item.get_closest_marker("kvfault")
+    if marker is None:
+        return None
+    from faultlab.faults.catalog import get_fault
+
+    kwargs = dict(marker.kwargs)
+    name = marker.args[0] if marker.args else kwargs.pop("name", None)
+    if not isinstance(name, str):
+        pytest.fail("@pytest.mark.kvfault needs a fault name, e.g. @pytest.mark.kvfault('double_free')",
+                    pytrace=False)
+    try:
+        get_fault(name)
+        seed = kwargs.pop("seed", None)
+        count = kwargs.pop("count", 1)
+        trigger = make_trigger(kwargs.pop("trigger", "step"), **kwargs)
+    except (ValueError, TypeError) as err:  # UnknownFault is a ValueError
+        pytest.fail(f"@pytest.mark.kvfault({name!r}): {err}", pytrace=False)
+    return KVFault(name, default_seed if seed is None else int(seed), trigger, int(count))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Validate a kvfault marker before the test runs, whether or not it uses the fixtures."""
+    if item.get_closest_marker("kvfault") is not None:
+        _marker_fault(item, item.config.stash[_SEED_KEY])
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+@pytest.fixture
+def faultlab_seed(request: pytest.FixtureRequest) -> int:
+    """This session's seed (``--faultlab-seed``)."""
+    return request.config.stash[_SEED_KEY]
+
+
+def new_tag_tracker():
+    """A checking TagTracker with its own Prometheus registry (no cross-test counter bleed)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvguard import TagTracker, TrackerConfig
+
+    return TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
+
+
+@pytest.fixture
+def kv_tracker():
+    """A fresh TagTracker (mode=check) with its own CollectorRegistry."""
+    return new_tag_tracker()
+
+
+@pytest.fixture
+def kvfault(request: pytest.FixtureRequest, faultlab_seed: int) -> KVFault | None:
+    """The test's ``@pytest.mark.kvfault`` as a :class:`KVFault` (None when the test has no marker)."""
+    return _marker_fault(request.node, faultlab_seed)
+
+
+def _tracker_for(tracker):
+    from kvguard import NoopTracker
+
+    if tracker is True:
+        return new_tag_tracker()
+    if tracker is False or tracker is None:
+        return NoopTracker()
+    return tracker  # a tracker instance
+
+
+def build_engine(model: str = "tiny", tracker=True, observers=(), **overrides):
+    """An Engine for ``model`` with a TagTracker (``tracker=True``), a NoopTracker (False) or the
+    given tracker; ``overrides`` are EngineConfig fields."""
+    from faultlab.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=model, **overrides), tracker=_tracker_for(tracker),
+                  observers=list(observers))
+
+
+@pytest.fixture
+def kv_engine(kvfault: KVFault | None):
+    """Factory: ``kv_engine(model="tiny", tracker=True, inject=True, observers=(), **overrides)``.
+
+    Returns an Engine with a TagTracker (``tracker=True``), a NoopTracker (``False``) or the tracker
+    given. Under ``@pytest.mark.kvfault`` each engine gets a fresh Injector for that fault (first among
+    its observers) unless ``inject=False``; the strikes are in ``kvfault.injected``. ``"smollm2"`` builds
+    the real model engine (skipped when its GGUF package is not installed).
+    """
+    def make(model: str = "tiny", tracker=True, inject: bool = True, observers=(), **overrides):
+        observers = list(observers)
+        if inject and kvfault is not None:
+            observers.insert(0, kvfault.injector())
+        if model == "smollm2":
+            _require_smollm2()
+        return build_engine(model, tracker, observers, **overrides)
+
+    return make
+
+
+def _require_smollm2() -> None:
+    from faultlab.engine.gguf_loader import gguf_path
+
+    try:
+        gguf_path()
+    except ValueError as err:
+        pytest.skip(f"smollm2 is not available: {err}")
+
+
+@pytest.fixture
+def kv_injector(faultlab_seed: int):
+    """Factory: ``kv_injector(fault, trigger="step", seed=None, count=1, step=3, event=..., p=...)``.
+
+    Returns an Injector (seed defaults to the session seed); pass it to ``kv_engine(observers=[...])``.
+    An unknown fault name raises ``UnknownFault`` listing the valid names.
+    """
+    def make(fault: str, trigger="step", seed: int | None = None, count: int = 1, **trigger_kwargs):
+        from faultlab.faults.injector import Injector
+
+        seed = faultlab_seed if seed is None else seed
+        return Injector(fault, make_trigger(trigger, **trigger_kwargs), count, seed)
+
+    return make
+
+
+_FROM_MARKER = object()
+
+
+def load_scenario(scenario):
+    """A Scenario from a Scenario, a TOML path, or a dict (parsed like a TOML file)."""
+    from faultlab import scenario as sc
+
+    if isinstance(scenario, sc.Scenario):
+        return scenario
+    if isinstance(scenario, dict):
+        return sc.parse({"name": "pytest", **scenario})
+    return sc.load(scenario)
+
+
+@pytest.fixture
+def chaos_runner(faultlab_seed: int, kvfault: KVFault | None):
+    """Factory: ``chaos_runner(scenario, fault=<marker>, seed=None, tracker=True, baseline=False,
+    trigger=None, count=None)`` -> CaseResult.
+
+    ``scenario`` is a Scenario, a TOML path or a dict. ``fault`` defaults to the test's kvfault marker
+    (with its trigger and count), else no fault. ``baseline=True`` first runs the fault-free case of the
+    same seed, so non-victims' outputs are compared token for token (``nonvictim_mismatches``).
+    """
+    def run(scenario, fault=_FROM_MARKER, seed: int | None = None, tracker: bool = True,
+            baseline: bool = False, trigger=None, count: int | None = None):
+        from faultlab.chaos import run_case
+
+        scenario = load_scenario(scenario)
+        seed = faultlab_seed if seed is None else seed
+        if fault is _FROM_MARKER:
+            fault = kvfault.name if kvfault is not None else None
+            if kvfault is not None:
+                trigger, count = trigger or kvfault.trigger, count or kvfault.count
+        if isinstance(trigger, str):
+            trigger = make_trigger(trigger)
+        base = run_case(scenario, None, seed, tracker) if baseline else None
+        return run_case(scenario, fault, seed, tracker, baseline=base, trigger=trigger, count=count)
+
+    return run

@@ -316,6 +316,18 @@ def test_dropped_row_reused_by_new_request(engine):
     assert engine.step()[0] == []
 
 
+def test_dropped_row_expects_nothing(engine):
+    """After drop, the slot expects nothing, even for pages that are still live (e.g. prefix cached)."""
+    engine.admit("a", 3)
+    row, pages = engine.row["a"], engine.pages["a"]
+    engine.tracker.drop(row)
+    table = torch.tensor([pages], dtype=torch.int32)
+    check = engine.tracker.validate(table, torch.tensor([row]), torch.tensor([3]), max_entries=WIDTH,
+                                    source=table.clone())
+    err = only(engine.tracker.resolve(check, check.verdict.clone(), ["a"]))
+    assert (err.reason, err.bad_entries, err.expected_tag) == ("unrecorded", 3, UNSET)
+
+
 def test_record_many_decode_growth(engine):
     engine.admit("a", 2)
     engine.admit("b", 3)

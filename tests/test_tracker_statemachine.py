@@ -101,7 +101,7 @@ class TrackerMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(r for r, q in self.requests.items() if pred(r, q))))
 
     # -- applicability (rules return early instead of using preconditions: Hypothesis gives up a
-    # -- test case when too few rules are enabled) -----------------------------------------------------------------------------
+    # -- test case when too few rules are enabled) ---------------------------------------------
     def _has_row(self) -> bool:
         return len(self.requests) < ROWS
 

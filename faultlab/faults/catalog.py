@@ -150,7 +150,7 @@ class UntrackedRealloc(Fault):
         j = first + len(pages) - 1
         engine.table[taker.row, j] = page
         engine.tracker.record(taker.row, j, torch.tensor([page]))  # the buggy path records, no bump
-        engine._emit("on_grant", request=taker, first=j, pages=[page], step=engine.step_id)
+        engine._emit("on_grant", request=taker, first=j, pages=[page], previous=[pages[-1]], step=engine.step_id)
         return {"from": victim.rid, "to": taker.rid, "page": page}
 
 

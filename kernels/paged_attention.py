@@ -1,0 +1,250 @@
+"""Paged decode attention with GQA, dequantizing FP8 K/V as it reads them.
+
+One query token per request. Request ``b`` attends to its first ``seq_lens[b]`` tokens; token ``i`` lives
+in slot ``i % page_size`` of page ``block_table[b, i // page_size]`` (page ids are used verbatim: the
+tracker has sanitized the table before this runs). Query head ``h`` reads KV head ``h // (H // Hkv)``.
+
+One program per (request, KV head, split) handles the ``H // Hkv`` query heads of its group, so each
+K/V tile is read once per group. It walks its range of the sequence in blocks of ``BLOCK_N`` tokens,
+gathering page ids per token (any page size), with an online softmax in fp32. When there are too few
+(request, KV head) pairs to fill the GPU, the sequence is split across programs and a second small
+kernel merges the partial results by their log-sum-exp (flash-decoding).
+"""
+import torch
+import triton
+import triton.language as tl
+
+Q_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+BLOCK_N = 64  # tokens per inner step
+MIN_SPLIT_TOKENS = 512  # shortest stretch of sequence worth a program of its own
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``a @ b (+ acc)`` in fp32; UPCAST widens bf16 operands first (exact), for the interpreter."""
+    if UPCAST:  # TRITON_INTERPRET multiplies bf16 operands as raw integers
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc, input_precision="ieee")
+    return c
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
+    # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_H)  # query head within the group (padded to BLOCK_H)
+    heads = kv_head * GROUP + g  # [BLOCK_H]
+    d = tl.arange(0, BLOCK_D)
+    h_mask = g < GROUP
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_tokens
+    end = tl.minimum(seq_len, start + split_tokens)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for tok0 in range(start, end, BLOCK_N):
+        tok = tok0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        t_mask = tok < end
+        page = tl.load(block_table_ptr + b * stride_bt + tok // page_size, mask=t_mask, other=0).to(tl.int64)
+        offset = tok % page_size
+        k_rows = page * stride_kp + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        v_rows = page * stride_vp + offset * stride_vs + kv_head * stride_vh
+        k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
+                      mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        scores = _dot(q, k_t.to(q.dtype), None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    has = l_i > 0
+    o = acc * v_scale / tl.where(has, l_i, 1.0)[:, None]
+    o_mask = h_mask[:, None] & d_mask[None, :]
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, n_heads, head_dim, n_splits, stride_ob, stride_oh,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # part: [B, H, n_splits, D] fp32; lse: [B, H, n_splits]; out: [B, H, D]
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = b * n_heads + h
+    lse = tl.load(lse_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"))  # [BLOCK_S]
+    live = lse > float("-inf")
+    top = tl.max(tl.where(live, lse, -3.0e38), axis=0)
+    w = tl.where(live, tl.exp(lse - top), 0.0)  # [BLOCK_S]
+    part = tl.load(part_ptr + (row * n_splits + s[:, None]) * head_dim + d[None, :],
+                   mask=(s[:, None] < n_splits) & (d[None, :] < head_dim), other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, axis=0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def _fail(name: str, why: str):
+    raise ValueError(f"paged_decode_attention: {name} {why}")
+
+
+def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
+    if q.dim() != 3 or q.dtype not in Q_DTYPES:
+        _fail("q", f"must be a 3-D [B, H, D] float32/bfloat16 tensor, got {tuple(q.shape)} {q.dtype}")
+    if q.stride(2) != 1:
+        _fail("q", "must be contiguous along its last dimension")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.dtype not in CACHE_DTYPES:
+            _fail(name, f"must be a 4-D [P, page_size, Hkv, D] float32/bfloat16/float8_e4m3fn tensor, "
+                        f"got {tuple(c.shape)} {c.dtype}")
+        if c.stride(3) != 1:
+            _fail(name, "must be contiguous along its last dimension")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        _fail("v_cache", f"must match k_cache ({tuple(k_cache.shape)} {k_cache.dtype}), "
+                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
+    n_batch, n_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        _fail("k_cache", f"has head_dim {k_cache.shape[3]} but q has {head_dim}")
+    if head_dim < 16:
+        _fail("q", f"head_dim must be >= 16, got {head_dim}")
+    if n_heads % n_kv_heads != 0:
+        _fail("q", f"has {n_heads} heads, not a multiple of the cache's {n_kv_heads} KV heads")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != n_batch:
+        _fail("block_table", f"must be a 2-D int32 [B={n_batch}, max_pages] tensor, got "
+                             f"{tuple(block_table.shape)} {block_table.dtype}")
+    if block_table.stride(1) != 1:
+        _fail("block_table", "must be contiguous along its last dimension")
+    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.numel() != n_batch:
+        _fail("seq_lens", f"must be a 1-D int32/int64 tensor of {n_batch} lengths, got "
+                          f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_table, seq_lens)}
+    if len(devices) != 1:
+        _fail("tensors", f"must share one device, got {sorted(map(str, devices))}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (float(s) > 0.0 and float(s) < float("inf")):
+            _fail(name, f"must be a positive finite number, got {float(s)}")
+
+
+def _dequant_scales(cache, k_scale, v_scale) -> tuple[float, float]:
+    """Scales apply to FP8 caches only (see store_kv)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return float(k_scale), float(v_scale)
+    return 1.0, 1.0
+
+
+def _auto_splits(q, n_kv_heads: int, max_tokens: int) -> int:
+    """Split the sequence when (request, KV head) pairs alone would leave most SMs idle."""
+    if q.device.type != "cuda":
+        return 1
+    n_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = q.shape[0] * n_kv_heads
+    if programs >= n_sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * n_sms, programs), triton.cdiv(max_tokens, MIN_SPLIT_TOKENS)))
+
+
+def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
+                  n_splits=None, block_n=BLOCK_N):
+    """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size)."""
+    _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    n_batch, n_heads, head_dim = q.shape
+    page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv_heads
+    ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
+    out = torch.empty((n_batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if n_batch == 0:
+        return out
+    max_tokens = max(1, block_table.shape[1] * page_size)
+    if n_splits is None:
+        n_splits = _auto_splits(q, n_kv_heads, max_tokens)
+    split_tokens = triton.cdiv(triton.cdiv(max_tokens, n_splits), block_n) * block_n
+    n_splits = triton.cdiv(max_tokens, split_tokens)
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    if n_splits > 1:
+        part = torch.empty((n_batch, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((n_batch, n_heads, n_splits), dtype=torch.float32, device=q.device)
+        target, strides = part, (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    else:
+        lse = out  # not written
+        target, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
+    _paged_decode_kernel[(n_batch, n_kv_heads, n_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, target, lse,
+        float(sm_scale) * ks, vs, head_dim, page_size, split_tokens, n_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), *strides,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=n_splits > 1,
+        UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction),
+    )
+    if n_splits > 1:
+        _paged_decode_reduce_kernel[(n_batch, n_heads)](
+            part, lse, out, n_heads, head_dim, n_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
+    """Decode attention of one query token per request over its paged K/V.
+
+    Args:
+        q: ``[B, H, D]`` float32/bfloat16 (``D >= 16``).
+        k_cache, v_cache: ``[P, page_size, Hkv, D]`` float32/bfloat16/float8_e4m3fn, ``H % Hkv == 0``.
+        block_table: int32 ``[B, max_pages]`` page ids, used verbatim.
+        seq_lens: int32/int64 ``[B]``, ``1 <= seq_lens[b] <= max_pages * page_size`` (0 gives zeros).
+        sm_scale: softmax scale applied to ``q . k``.
+        k_scale, v_scale: FP8 dequantization scales (``read = stored * scale``); ignored otherwise.
+    Returns:
+        ``[B, H, D]`` in ``q.dtype``; softmax and accumulation in fp32.
+    """
+    return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
+    """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
+    _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    n_batch, n_heads, head_dim = q.shape
+    page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
+    out = torch.zeros((n_batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    for b in range(n_batch):
+        n = int(seq_lens[b])
+        if n > block_table.shape[1] * page_size:
+            _fail("seq_lens", f"[{b}] = {n} exceeds max_pages * page_size = {block_table.shape[1] * page_size}")
+        if n <= 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        pages = block_table[b, pos // page_size].long()  # [n]
+        k = k_cache[pages, pos % page_size].float() * ks  # [n, Hkv, D]
+        v = v_cache[pages, pos % page_size].float() * vs
+        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [n, H, D]
+        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * float(sm_scale)  # [H, n]
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
+    return out

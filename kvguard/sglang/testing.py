@@ -1,0 +1,263 @@
+"""A CPU rig of SGLang 0.5.23's REAL bookkeeping classes, for kvguard's tests and bench/sglang_compare.py.
+
+ReqToTokenPool, PagedTokenToKVPoolAllocator (or TokenToKVPoolAllocator) over an FP8 MHATokenToKVPool,
+a real RadixCache, real Req / ScheduleBatch objects, and SGLang's own prepare_for_extend /
+prepare_for_decode (alloc_for_extend / alloc_for_decode, the CPU "naive" allocation kernels). Nothing here
+stands in for SGLang except the model forward, which kvguard does not touch.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+from array import array
+
+import torch
+
+_ids = itertools.count(1)
+
+
+def keep_repo_root_off_sys_path() -> None:
+    """Drop this repository's root from sys.path (``python -m pytest`` puts it there).
+
+    NOTE: the root holds our ``kernels/`` folder (shipped as ``kvguard.kernels``). With the root on
+    sys.path, ``importlib.util.find_spec("kernels")`` finds it, so transformers believes the PyPI
+    ``kernels`` package is installed, imports it, and SGLang's import of transformers' AutoProcessor
+    fails. kvguard itself is installed (editable), so it does not need the root on sys.path.
+    """
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if (root / "kernels" / "tag_check.py").exists():
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+
+
+keep_repo_root_off_sys_path()
+
+
+def publish_server_args(page_size: int) -> None:
+    """SGLang reads its runtime config bags (get_exec(), get_spec() ...) from a published ServerArgs."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size, device="cpu"))
+
+
+class Rig:
+    """Real SGLang pools + tree on the CPU, and helpers to run requests through prefill and decode."""
+
+    def __init__(self, page_size: int, *, num_tokens: int = 2048, rows: int = 16, context: int = 512,
+                 allocator: str = "paged", radix: bool = True, need_sort: bool = False):
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        publish_server_args(page_size)
+        self.page_size = page_size
+        self.kv = MHATokenToKVPool(size=num_tokens, page_size=page_size, dtype=torch.float8_e4m3fn,
+                                   head_num=2, head_dim=16, layer_num=1, device="cpu",
+                                   enable_memory_saver=False)
+        if allocator == "token":
+            assert page_size == 1
+            self.allocator = TokenToKVPoolAllocator(num_tokens, dtype=torch.float8_e4m3fn, device="cpu",
+                                                    kvcache=self.kv, need_sort=need_sort)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(num_tokens, page_size=page_size,
+                                                         dtype=torch.float8_e4m3fn, device="cpu",
+                                                         kvcache=self.kv, need_sort=need_sort)
+        self.req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context, device="cpu",
+                                                enable_memory_saver=False)
+        self.tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=self.req_to_token_pool,
+                                               token_to_kv_pool_allocator=self.allocator,
+                                               page_size=page_size))
+        self.model_config = types.SimpleNamespace(is_encoder_decoder=False, vocab_size=32000)
+        self.guard = None
+
+    # -- kvguard ---------------------------------------------------------------------------------------
+    def install(self, registry=None):
+        from .plugin import install
+
+        self.guard = install(self.req_to_token_pool, self.allocator, self.tree, registry=registry)
+        return self.guard
+
+    # -- requests --------------------------------------------------------------------------------------
+    def make_req(self, prompt_len: int, max_new_tokens: int = 256, tokens=None):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        n = next(_ids)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+        params.normalize(None)
+        ids = list(tokens) if tokens is not None else [100 + (n * 997 + i) % 30000 for i in range(prompt_len)]
+        req = Req(rid=f"req{n}", origin_input_text="", origin_input_ids=array("q", ids),
+                  sampling_params=params, vocab_size=32000)
+        req.init_next_round_input(self.tree)
+        req.extend_end = len(req.full_untruncated_fill_ids)
+        return req
+
+    def prefill(self, *prompt_lens: int, reqs=None):
+        """SGLang's own ScheduleBatch.prepare_for_extend (alloc_for_extend, write_cache_indices)."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        reqs = list(reqs) if reqs is not None else [self.make_req(n) for n in prompt_lens]
+        batch = ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.allocator, self.tree,
+                                       self.model_config, False, SpeculativeAlgorithm.NONE)
+        batch.prepare_for_extend()
+        return batch
+
+    def to_decode(self, *batches):
+        """Merge prefilled batches into one running batch (what the scheduler does after prefill)."""
+        running = batches[0]
+        for other in batches[1:]:
+            running.merge_batch(other)
+        return running
+
+    def sample(self, batch) -> None:
+        """Stand-in for the model: commit one output token per request (what process_batch_result does)."""
+        for req in batch.reqs:
+            if not req.finished():
+                req.output_ids.append(7)
+
+    def decode(self, batch):
+        """One real ScheduleBatch.prepare_for_decode (alloc_for_decode, req_to_token write) + the check."""
+        batch.prepare_for_decode()
+        return batch.__dict__.get("_kvguard")
+
+    def verdict(self, batch) -> dict:
+        """{rid: bad entries} for this step's check (read like the scheduler does, with the sampled ids)."""
+        pending = batch.__dict__.get("_kvguard")
+        if pending is None:
+            return {}
+        counts = pending.verdict_host.reshape(len(pending.reqs), -1).sum(1).tolist()
+        return {req.rid: int(c) for req, c in zip(pending.reqs, counts)}
+
+    def release(self, req, checkpoint: bool = False) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.tree, checkpoint=checkpoint)
+
+    def row(self, req) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+
+    def pages_of(self, req) -> list[int]:
+        n = -(-int(req.kv.kv_allocated_len) // self.page_size)
+        return (self.row(req)[: n * self.page_size: self.page_size].long() // self.page_size).tolist()
+
+    def page_slots(self, page: int) -> torch.Tensor:
+        return page * self.page_size + torch.arange(self.page_size, dtype=torch.int64)
+
+
+def apply_check_hooks() -> bool:
+    """Register kvguard's hooks (KVGUARD_MODE=check) and let SGLang's HookRegistry apply them.
+
+    These are the two calls ``sglang.srt.plugins.load_plugins`` makes for an installed plugin.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    # import the modules that hold the targets first, as a scheduler process has them at load time
+    import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
+    import sglang.srt.managers.schedule_batch  # noqa: F401
+    import sglang.srt.mem_cache.kv_cache_builder  # noqa: F401
+
+    from .plugin import register
+
+    ok = register(env={"KVGUARD_MODE": "check"})
+    HookRegistry.apply_hooks()
+    return ok
+
+
+# -- pytest fixtures (imported by tests/test_sglang_*.py; pytest is a dependency of this project) -------
+try:
+    import pytest
+except ImportError:  # pragma: no cover - only the tests use these
+    pytest = None
+
+_LOADER_RESULT = None
+
+if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def sglang_loader(tmp_path_factory):
+        """Run SGLang's own ``load_plugins()`` twice in this process: KVGUARD_MODE=off, then =check.
+
+        The entry point is declared by a real ``*.dist-info`` on sys.path (what ``pip install`` of
+        kvguard writes once pyproject declares it); SGLang finds it through importlib.metadata.
+        Returns what was observed; afterwards kvguard's hooks are applied for the whole session.
+        """
+        global _LOADER_RESULT
+        if _LOADER_RESULT is not None:  # each test module imports this fixture: run the loader once
+            return _LOADER_RESULT
+        import importlib
+        import os
+        import pkgutil
+        import sys
+        from importlib.metadata import entry_points
+
+        site = tmp_path_factory.mktemp("site")
+        dist = site / "kvguard_sglang_plugin-0.0.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvguard-sglang-plugin\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvguard = kvguard.sglang:register\n")
+        sys.path.insert(0, str(site))
+        importlib.invalidate_caches()
+
+        import sglang.srt.managers.schedule_batch as schedule_batch
+        import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
+        import sglang.srt.mem_cache.kv_cache_builder  # noqa: F401
+        import sglang.srt.plugins as plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from .plugin import TARGETS
+
+        def current():
+            return {name: pkgutil.resolve_name(t) for name, t in TARGETS.items()}
+
+        saved = {k: os.environ.get(k) for k in ("KVGUARD_MODE", "SGLANG_PLUGINS")}
+        out = {"entry_points": sorted(f"{e.name}={e.value}" for e in entry_points(group="sglang.srt.plugins"))}
+        before = current()
+        try:
+            os.environ["SGLANG_PLUGINS"] = "kvguard"
+            os.environ["KVGUARD_MODE"] = "off"
+            plugins._plugins_loaded = False
+            plugins.load_plugins()
+            out["off_hooks"] = sorted(t for t in HookRegistry._hooks if t in TARGETS.values())
+            out["off_untouched"] = all(current()[n] is before[n] for n in TARGETS)
+            os.environ["KVGUARD_MODE"] = "check"  # the next process start, with the switch on
+            plugins._plugins_loaded = False
+            plugins.load_plugins()
+            out["check_hooks"] = sorted(t for t in HookRegistry._hooks if t in TARGETS.values())
+            now = current()
+            out["check_wrapped"] = {n: getattr(now[n], "__wrapped__", None) is before[n] for n in TARGETS}
+            out["schedule_batch_rebound"] = schedule_batch.alloc_for_decode is now["alloc_for_decode"]
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _LOADER_RESULT = out
+        return out
+
+    @pytest.fixture(scope="session")
+    def check_hooks(sglang_loader):
+        """kvguard's hooks, applied by SGLang's own plugin loader (see sglang_loader)."""
+        return True
+
+    @pytest.fixture
+    def make_rig(check_hooks):
+        from prometheus_client import CollectorRegistry
+
+        def _make(page_size: int, **kwargs) -> Rig:
+            rig = Rig(page_size, **kwargs)
+            rig.registry = CollectorRegistry()
+            return rig
+
+        return _make
+
+    @pytest.fixture(params=[1, 16], ids=["ps1", "ps16"])
+    def rig_ps(request, make_rig):
+        """An installed rig at page size 1 and 16 (PagedTokenToKVPoolAllocator, FP8 MHA pool)."""
+        rig = make_rig(request.param)
+        rig.install(registry=rig.registry)
+        return rig

