@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvguard import NoopTracker, TagTracker, TrackerConfig
-from prometheus_client import CollectorRegistry
 
 REQUESTS = 256
 TOKENS = 9_192

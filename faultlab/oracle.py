@@ -44,6 +44,7 @@ class Oracle:
         self.moves: dict[int, int] = defaultdict(int)  # page -> allocator moves seen
         self.granted: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)  # rid -> j -> (page, moves)
         self.keys: dict[str, list[int]] = {}
+        self.holder: dict[int, str] = {}  # page -> request it was last handed to exclusively
         self.content: np.ndarray | None = None
         self.page_size = 1
         self._pending: list = []
@@ -53,7 +54,10 @@ class Oracle:
         for p in pages.tolist():
             self.moves[p] += 1
 
-    on_free = on_alloc
+    def on_free(self, pages) -> None:
+        for p in pages.tolist():
+            self.moves[p] += 1
+            self.holder.pop(p, None)
 
     # -- engine events -----------------------------------------------------------------------------
     def on_engine(self, engine) -> None:
@@ -61,8 +65,12 @@ class Oracle:
         slots = (engine.num_pages + 1 + engine.kv.guard_pages) * engine.page_size
         self.content = np.full(slots, -1, dtype=np.int64)
 
-    def on_grant(self, request, first: int, pages: list[int], step: int, **_) -> None:
+    def on_grant(self, request, first: int, pages: list[int], step: int, shared: int = 0, **_) -> None:
         for j, page in enumerate(pages):
+            if j >= shared:  # an exclusive hand-out: it supersedes any other holder of the page
+                if self.holder.get(page, request.rid) != request.rid:
+                    self.moves[page] += 1
+                self.holder[page] = request.rid
             self.granted[request.rid][first + j] = (page, self.moves[page])
 
     def before_read(self, engine, step: int, requests, lengths) -> None:

@@ -30,16 +30,24 @@ class TagTable:
         self.next_tag = num_pages
         self.bumps = 0
 
-    def bump(self, pages: torch.Tensor) -> None:
-        """Give each page in ``pages`` a fresh, never-used tag (one device write, no sync)."""
+    def bump(self, pages: torch.Tensor) -> torch.Tensor:
+        """Give each entry of ``pages`` a fresh, never-used tag; return them (int64 [n], no sync).
+
+        NOTE: a corrupted free list can hand out one page twice in a single allocation (a double
+        free followed by ``alloc(2)``). Each *slot* of the allocation gets its own tag, the page keeps
+        the largest (``scatter_reduce`` amax: deterministic on every device, unlike ``index_put`` with
+        duplicate indices), so the earlier slot's owner records a tag the page no longer carries.
+        """
         count = pages.numel()
+        fresh = torch.arange(self.next_tag, self.next_tag + count, device=self.tags.device)
         if count == 0:
-            return
+            return fresh
         assert self.next_tag + count < _TAG_LIMIT, f"tag counter would wrap at {self.next_tag}"
         pages = pages.to(device=self.tags.device, dtype=torch.int64)
-        self.tags[pages] = torch.arange(self.next_tag, self.next_tag + count, device=self.tags.device)
+        self.tags.scatter_reduce_(0, pages, fresh, reduce="amax")
         self.next_tag += count
         self.bumps += count
+        return fresh
 
     def gather(self, pages: torch.Tensor) -> torch.Tensor:
         """Current tags of ``pages`` (device gather, no sync)."""

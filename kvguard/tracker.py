@@ -43,8 +43,14 @@ class NoopTracker:
     def on_free(self, pages: torch.Tensor) -> None:
         """Pages returned to the allocator."""
 
-    def record(self, row: int, first: int, pages: torch.Tensor) -> None:
-        """Request slot ``row`` now maps logical pages ``first..first+len(pages)`` to ``pages``."""
+    fresh_tags = None
+
+    def record(self, row: int, first: int, pages: torch.Tensor, tags: torch.Tensor | None = None) -> None:
+        """Request slot ``row`` now maps logical pages ``first..first+len(pages)`` to ``pages``.
+
+        ``tags``: the tags the allocation gave these pages (``fresh_tags`` slices of the last
+        ``on_alloc``); None reads the pages' current tags (pages shared from a prefix cache).
+        """
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
         """Vectorized :meth:`record`: ``expected[rows[i], cols[i]] = tag(pages[i])``."""
@@ -102,19 +108,19 @@ class TagTracker(NoopTracker):
     # -- bookkeeping events ------------------------------------------------------------------------
     def on_alloc(self, pages: torch.Tensor) -> None:
         self._require_attached()
-        self.tags.bump(pages)
+        self.fresh_tags = self.tags.bump(pages)  # [n] tag of each slot of this allocation
 
     def on_free(self, pages: torch.Tensor) -> None:
         self._require_attached()
         self.tags.bump(pages)
 
-    def record(self, row: int, first: int, pages: torch.Tensor) -> None:
+    def record(self, row: int, first: int, pages: torch.Tensor, tags: torch.Tensor | None = None) -> None:
         self._require_attached()
         count = pages.numel()
         if first + count > self.expected.shape[1]:
             raise ValueError(f"TagTracker.record: row {row} pages {first}..{first + count} exceed the "
                              f"row width {self.expected.shape[1]} given to attach()")
-        self.expected[row, first:first + count] = self.tags.gather(pages)
+        self.expected[row, first:first + count] = self.tags.gather(pages) if tags is None else tags
         self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:

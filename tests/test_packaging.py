@@ -136,7 +136,8 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             found.append((node.level, node.module or ""))
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")):
+              and getattr(node.func, "attr", getattr(node.func, "id", ""))
+              in ("import_module", "__import__")):
             found.append((0, node.args[0].value))
     return found
 

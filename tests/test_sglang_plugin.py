@@ -5,18 +5,12 @@ SGLang's own ``load_plugins()`` runs in this process, first with KVGUARD_MODE=of
 exactly what ``pip install`` of kvguard writes once pyproject declares it. Every other sglang test then
 runs with the hooks that loader applied.
 """
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
 from kvguard.sglang.testing import check_hooks, make_rig, rig_ps, sglang_loader  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.sglang
+
 
 @pytest.fixture
 def loader_run(sglang_loader):

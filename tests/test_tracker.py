@@ -126,7 +126,7 @@ def test_noop_tracker_does_nothing():
     assert vars(tracker) == {} and tracker.enabled is False
 
 
-def test_noop_engine_step_reports_nothing(registry):
+def test_noop_engine_step_reports_nothing():
     eng = Engine(NoopTracker())
     eng.admit("a", 3)
     violations, table, source = eng.step({("a", 0): 10_000})

@@ -197,19 +197,21 @@ class Engine:
             admitted.append(request)
         return admitted
 
-    def _alloc(self, n: int) -> torch.Tensor:
+    def _alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``n`` pages (evicting cached prefixes if needed) and the tags the tracker gave them."""
         if not self.allocator.can_alloc(n):
             self.cache.evict(n - self.allocator.available())
-        return self.allocator.alloc(n)
+        pages = self.allocator.alloc(n)
+        return pages, self.tracker.fresh_tags
 
-    def _grant(self, request: Request, first: int, pages: torch.Tensor) -> None:
+    def _grant(self, request: Request, first: int, pages: torch.Tensor, tags=None, shared: int = 0) -> None:
         """Map logical pages first.. of the request's row to ``pages`` and tell the tracker."""
         previous = self.table[request.row, first:first + pages.numel()].tolist()  # stale entries
         self.req_pool.write(request.row, first, pages)
-        self.tracker.record(request.row, first, pages)
+        self.tracker.record(request.row, first, pages, tags)
         request.n_pages = first + pages.numel()
         self._emit("on_grant", request=request, first=first, pages=pages.tolist(), previous=previous,
-                   step=self.step_id)
+                   shared=shared, step=self.step_id)
 
     # -- prefill -----------------------------------------------------------------------------------
     def _prefill(self, request: Request, events: list[Event]) -> None:
@@ -220,8 +222,10 @@ class Engine:
         request.n_shared = len(request.nodes)
         shared = torch.tensor([n.page for n in request.nodes], dtype=torch.int64)
         n_total = -(-len(request.prompt) // ps)
-        new = self._alloc(n_total - request.n_shared)
-        self._grant(request, 0, torch.cat([shared, new]))
+        new, fresh = self._alloc(n_total - request.n_shared)
+        if request.n_shared:
+            self._grant(request, 0, shared, shared=request.n_shared)  # current tags of cached pages
+        self._grant(request, request.n_shared, new, fresh)
         self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
         start = request.n_shared * ps
         positions = torch.arange(start, len(request.prompt))
@@ -259,9 +263,9 @@ class Engine:
         growing = [r for r in batch if r.kv_len // self.page_size >= r.n_pages]
         if not growing:
             return
-        pages = self._alloc(len(growing))
-        for request, page in zip(growing, pages):
-            self._grant(request, request.n_pages, page.view(1))
+        pages, fresh = self._alloc(len(growing))
+        for i, (request, page) in enumerate(zip(growing, pages)):
+            self._grant(request, request.n_pages, page.view(1), None if fresh is None else fresh[i:i + 1])
 
     def _prefill_forward(self, tokens, start: int, page_row, slots) -> torch.Tensor:
         if not self.config.batch_invariant:

@@ -255,45 +255,49 @@ class OutOfRangeEntry(Fault):
 
 
 # -- prefix-cache faults ---------------------------------------------------------------------------
-def _locked_leaves(engine):
-    return [n for n in engine.cache._nodes() if n.lock_ref > 0 and not n.children]
+def _deepest_locked(engine):
+    """Locked nodes none of whose children is locked (the end of some running request's prefix)."""
+    return [n for n in engine.cache._nodes() if n.lock_ref > 0 and not any(c.lock_ref for c in n.children.values())]
 
 
-def _evict_node(engine, node) -> dict:
-    page = engine.cache.remove(node)
-    engine.allocator.free(torch.tensor([page]))
-    return {"page": page, "lock_ref": node.lock_ref}
+def _evict_subtree(engine, node) -> dict:
+    """Evict ``node`` and its (unlocked) descendants, deepest first, freeing their pages."""
+    order, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    pages = [engine.cache.remove(n) for n in reversed(order)]
+    engine.allocator.free(torch.tensor(pages, dtype=torch.int64))
+    return {"page": node.page, "pages_freed": pages, "lock_ref": node.lock_ref}
 
 
 @register
 class EvictInUse(Fault):
     name = "evict_in_use"
     where = "prefix cache eviction"
-    corrupts = "the cache evicts a node a running request still holds, freeing its page"
+    corrupts = "eviction ignores lock_ref and frees the page of a node a running request still holds"
     why = "tags bump on the free; every sharer's expected tag is stale"
 
     def apply(self, engine, rng, ctx):
-        leaves = _locked_leaves(engine)
-        return _evict_node(engine, rng.choice(leaves)) if leaves else None
+        nodes = _deepest_locked(engine)
+        return _evict_subtree(engine, rng.choice(nodes)) if nodes else None
 
 
 @register
 class RefcountUnderflow(Fault):
     name = "refcount_underflow"
     where = "prefix cache lock/unlock"
-    corrupts = "a shared prefix page's lock count drops to zero while a sharer uses it; eviction frees it"
+    corrupts = "a shared prefix node's lock count drops to zero while a sharer uses it; eviction frees it"
     why = "the free bumps the page's tag; the remaining sharers' expected tags are stale"
 
     def apply(self, engine, rng, ctx):
-        leaves = _locked_leaves(engine)
-        if not leaves:
+        nodes = _deepest_locked(engine)
+        if not nodes:
             return None
-        node = rng.choice(leaves)
-        node.lock_ref = 0  # one unlock too many
-        engine.cache.evict(1)  # memory pressure: the LRU unlocked leaf may now be this one
-        if node.parent is not None and node.key in node.parent.children:
-            return _evict_node(engine, node)
-        return {"lock_ref_zeroed": True}
+        node = rng.choice(nodes)
+        node.lock_ref = 0  # unlocked once too often: the node looks evictable
+        return {"lock_ref_zeroed": True, **_evict_subtree(engine, node)}
 
 
 # -- data-path faults ------------------------------------------------------------------------------

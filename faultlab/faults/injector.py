@@ -49,7 +49,7 @@ class Injector:
         self._last_prob_step = -1
 
     # -- observations ------------------------------------------------------------------------------
-    def on_grant(self, request, first, pages, previous, step):
+    def on_grant(self, request, first, pages, previous, step, **_):
         self._grants.append((request, first, pages, previous))
 
     def on_alloc(self, pages):

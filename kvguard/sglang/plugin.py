@@ -129,6 +129,7 @@ class Pending:
     reqs: list  # the Req objects, in batch order at check time
     verdict_host: torch.Tensor
     ready: Any  # a CUDA event for the async verdict copy, or None (already on the host)
+    stale: list  # per request: its row now belongs to a newer owner (host-side generation check)
 
 
 class SGLangGuard:
@@ -266,9 +267,14 @@ class SGLangGuard:
         ps, table = self.page_size, self.req_to_token_pool.req_to_token
         offset = 0
         seq_lens = batch.seq_lens_cpu.tolist()
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
         for i, (row, prefix_len, seq_len) in enumerate(zip(rows_cpu.tolist(), batch.prefix_lens, seq_lens)):
             first_new = -(-prefix_len // ps)
             if not held[i]:
+                # SGLang's own row-reuse tag (ReqToTokenPool.req_generation, bumped in alloc_rows): a
+                # request that is still scheduled after its row went to somebody else is stale.
+                if gens is not None:
+                    batch.reqs[i].kvguard_row_generation = int(gens[row])
                 # A fresh row: its prefix pages come from the tree's match, which alloc_for_extend has
                 # just written into the row (on GPU by a Triton kernel, hence read back here).
                 self.tracker.drop(row)
@@ -306,6 +312,12 @@ class SGLangGuard:
         max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
         if max_entries == 0:
             return None
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
+        if gens is not None:
+            now = gens[rows_cpu.long()].tolist()
+            stale = [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(batch.reqs, now)]
+        else:
+            stale = [False] * len(batch.reqs)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
         n_entries = n_cpu.to(rows.device, non_blocking=on_cuda)
@@ -319,24 +331,32 @@ class SGLangGuard:
             ready.record()
         else:
             host, ready = check.verdict, None
-        pending = Pending(self, check, list(batch.reqs), host, ready)
+        pending = Pending(self, check, list(batch.reqs), host, ready, stale)
         batch._kvguard = pending
         return pending
 
-    def resolve(self, pending: Pending, group=None) -> list[tuple[Any, str]]:
-        """Read the verdict (with the sampled ids); agree across TP ranks; (req, message) to abort."""
+    def resolve(self, pending: Pending, group=None) -> list[tuple[Any, str, bool]]:
+        """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale)."""
         if pending.ready is not None:
             pending.ready.synchronize()
         rids = [str(req.rid) for req in pending.reqs]
         found = {err.request_id: err for err in self.tracker.resolve(pending.check, pending.verdict_host, rids)}
-        flags = [1 if rid in found else 0 for rid in rids]
+        flags = [1 if rid in found or stale else 0 for rid, stale in zip(rids, pending.stale)]
         flags = _all_reduce_max(flags, group)
         out = []
-        for req, rid, flag in zip(pending.reqs, rids, flags):
-            if flag:
-                err: KVGuardViolation | None = found.get(rid)
-                out.append((req, str(err) if err is not None else
-                            f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {rid})"))
+        for req, rid, flag, stale in zip(pending.reqs, rids, flags, pending.stale):
+            if not flag:
+                continue
+            err: KVGuardViolation | None = found.get(rid)
+            if err is not None:
+                message = str(err)
+            elif stale:
+                message = (f"kvguard: request {rid} aborted: its req_to_token row "
+                           f"{req.kv.req_pool_idx} was reallocated to another request (stale row)")
+                self.tracker.metrics.violations.labels(reason="stale_row").inc()
+            else:
+                message = f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {rid})"
+            out.append((req, message, bool(stale)))
         return out
 
     def abort(self, flagged, *, tree_cache, stream: Callable[[list, bool], Any] | None) -> list:
@@ -347,8 +367,8 @@ class SGLangGuard:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         aborted = []
-        for req, message in flagged:
-            if req.finished() or not req.kv.holds_kv:
+        for req, message, stale in flagged:
+            if req.finished() or (not stale and not req.kv.holds_kv):
                 continue  # overlap: finished/retracted requests reappear for one tick
             log.error(message)
             prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -356,7 +376,9 @@ class SGLangGuard:
             req.kvguard_aborted = True
             if stream is not None:
                 stream([req], req.return_logprob)
-            release_kv_cache(req, tree_cache, checkpoint=False)
+            if not stale:
+                release_kv_cache(req, tree_cache, checkpoint=False)
+            # else: the row and its pages belong to their new owner; releasing them would free its KV
             aborted.append(req)
         if aborted:
             self.tracker.note_aborted(len(aborted))
@@ -455,7 +477,7 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
         flagged = pending.guard.resolve(pending, _attn_tp_cpu_group())
         if flagged:
             in_batch = {id(req) for req in batch.reqs}
-            flagged = [(req, msg) for req, msg in flagged if id(req) in in_batch]
+            flagged = [item for item in flagged if id(item[0]) in in_batch]
             pending.guard.abort(flagged, tree_cache=processor.tree_cache,
                                 stream=processor.output_streamer.stream_output)
     return original(processor, batch, result, *args, **kwargs)

@@ -130,7 +130,7 @@ class Rig:
         if pending is None:
             return {}
         counts = pending.verdict_host.reshape(len(pending.reqs), -1).sum(1).tolist()
-        return {req.rid: int(c) for req, c in zip(pending.reqs, counts)}
+        return {req.rid: int(c) + (1 if s else 0) for req, c, s in zip(pending.reqs, counts, pending.stale)}
 
     def release(self, req, checkpoint: bool = False) -> None:
         from sglang.srt.mem_cache.common import release_kv_cache
