@@ -28,6 +28,7 @@ def _add_run_args(p):
     p.add_argument("--seeds", type=int, help="override [faults].seeds")
     p.add_argument("--tracker", choices=("on", "off", "both"), default="both")
     p.add_argument("--faults", help="comma-separated fault classes (override the scenario)")
+    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,18 +101,46 @@ def _load_classes(args, scenario, all_classes: bool) -> list[str]:
     return fault_classes(scenario)
 
 
-def _run_cases(scenario, classes, seeds, trackers, label):
-    from tqdm import tqdm
+_BASELINES: dict = {}
+
+
+def _case_job(job):
+    """One (fault, seed) pair, every tracker setting; runs in a worker process."""
+    import torch
 
     from .chaos import run_case
 
+    # NOTE: chaos cases run small models; one torch thread per process avoids thread-pool stalls
+    torch.set_num_threads(1)
+    scenario, fault, seed, trackers = job
+    key = (scenario.name, seed)
+    if key not in _BASELINES:
+        _BASELINES[key] = run_case(scenario, None, seed, False)
+    return [run_case(scenario, fault, seed, t == "on", baseline=_BASELINES[key]) for t in trackers]
+
+
+def _run_cases(scenario, classes, seeds, trackers, label, jobs: int = 0):
+    import multiprocessing
+    import os
+
+    from tqdm import tqdm
+
     first = scenario.faults.first_seed
-    jobs = [(f, s, t) for f in classes for s in range(first, first + seeds) for t in trackers]
-    baselines, cases = {}, []
-    for fault, seed, tracker in tqdm(jobs, desc=label, unit="case", file=sys.stderr, dynamic_ncols=True):
-        if seed not in baselines:
-            baselines[seed] = run_case(scenario, None, seed, False)
-        cases.append(run_case(scenario, fault, seed, tracker == "on", baseline=baselines[seed]))
+    work = [(scenario, f, s, trackers) for s in range(first, first + seeds) for f in classes]
+    jobs = jobs or min(len(work), os.cpu_count() or 1)
+    bar = tqdm(total=len(work) * len(trackers), desc=label, unit="case", file=sys.stderr, dynamic_ncols=True)
+    cases = []
+    if jobs <= 1:
+        results = map(_case_job, work)
+    else:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_case_job, work, chunksize=max(1, len(classes) // 2))
+    for group in results:
+        cases.extend(group)
+        bar.update(len(group))
+    bar.close()
+    if jobs > 1:
+        pool.close()
     return cases
 
 
@@ -145,7 +174,8 @@ def cmd_run(args, all_classes: bool = False) -> int:
         raise UsageError(f"{args.scenario}: [faults].classes is empty; use `faultlab soak` for fault-free runs")
     trackers = ("off", "on") if args.tracker == "both" else (args.tracker,)
     started = time.time()
-    cases = _run_cases(scenario, classes, args.seeds or scenario.faults.seeds, trackers, scenario.name)
+    cases = _run_cases(scenario, classes, args.seeds or scenario.faults.seeds, trackers, scenario.name,
+                       args.jobs)
     return _report(args, scenario, cases, started)
 
 

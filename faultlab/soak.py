@@ -29,7 +29,10 @@ class _Counter:
 def run_soak(args) -> int:
     from dataclasses import replace
 
+    import torch
     from tqdm import tqdm
+
+    torch.set_num_threads(1)
 
     scenario = load(args.scenario)
     seeds = args.seeds or scenario.faults.seeds
