@@ -39,7 +39,8 @@ def _time_ms(fn, rep_ms: int) -> float:
     return float(median)
 
 
-def _row(op: str, params: dict, ms: float, n_bytes: float, flops: float = 0.0, err: float | None = None) -> dict:
+def _row(op: str, params: dict, ms: float, n_bytes: float, flops: float = 0.0,
+         err: float | None = None) -> dict:
     return dict(op=op, **params, ms=ms, gbps=n_bytes / ms / 1e6, tflops=flops / ms / 1e9 if flops else None,
                 bytes=n_bytes, rel_error=err)
 

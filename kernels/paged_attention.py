@@ -17,7 +17,8 @@ import triton.language as tl
 Q_DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 BLOCK_N = 64  # tokens per inner step
-MIN_SPLIT_TOKENS = 512  # shortest stretch of sequence worth a program of its own
+BLOCK_N_FP8 = 128  # tokens per inner step on FP8 caches when the sequence is not split
+MIN_SPLIT_TOKENS = 256  # shortest stretch of sequence worth a program of its own
 
 
 @triton.jit
@@ -33,11 +34,11 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits,
+    q_scale, qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    FP16_DOT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
     # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
@@ -51,6 +52,11 @@ def _paged_decode_kernel(
     d_mask = d < head_dim
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q = q.to(tl.float32) * q_scale
+    if FP16_DOT:  # dot operands in fp16, else in q's dtype
+        q = q.to(tl.float16)
+    else:
+        q = q.to(q_ptr.dtype.element_ty)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_tokens
     end = tl.minimum(seq_len, start + split_tokens)
@@ -168,8 +174,19 @@ def _auto_splits(q, n_kv_heads: int, max_tokens: int) -> int:
     return max(1, min(triton.cdiv(2 * n_sms, programs), triton.cdiv(max_tokens, MIN_SPLIT_TOKENS)))
 
 
+def _dot_setup(q, k_cache, sm_scale: float, k_scale: float):
+    """(fp16 dots?, factor on q before the cast, factor on q . k after the dot).
+
+    fp32 q: fp32 dots (IEEE). bf16 q: bf16 dots, except on FP8 caches, whose values convert to fp16
+    exactly and faster: there q is pre-scaled by sm_scale (keeps it in fp16 range) and cast to fp16.
+    """
+    if q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn:
+        return True, sm_scale, k_scale
+    return False, 1.0, sm_scale * k_scale
+
+
 def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
-                  n_splits=None, block_n=BLOCK_N):
+                  n_splits=None, block_n=None):
     """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size)."""
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     n_batch, n_heads, head_dim = q.shape
@@ -182,6 +199,8 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     max_tokens = max(1, block_table.shape[1] * page_size)
     if n_splits is None:
         n_splits = _auto_splits(q, n_kv_heads, max_tokens)
+    if block_n is None:  # from a sweep on an H200 (H=32, Hkv=8, D=128, context 8192)
+        block_n = BLOCK_N_FP8 if k_cache.dtype == torch.float8_e4m3fn and n_splits == 1 else BLOCK_N
     split_tokens = triton.cdiv(triton.cdiv(max_tokens, n_splits), block_n) * block_n
     n_splits = triton.cdiv(max_tokens, split_tokens)
     block_d = triton.next_power_of_2(head_dim)
@@ -193,12 +212,13 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     else:
         lse = out  # not written
         target, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
+    fp16_dot, q_scale, qk_scale = _dot_setup(q, k_cache, float(sm_scale), ks)
     _paged_decode_kernel[(n_batch, n_kv_heads, n_splits)](
         q, k_cache, v_cache, block_table, seq_lens, target, lse,
-        float(sm_scale) * ks, vs, head_dim, page_size, split_tokens, n_splits,
+        q_scale, qk_scale, vs, head_dim, page_size, split_tokens, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), *strides,
-        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=n_splits > 1,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FP16_DOT=fp16_dot, SPLIT=n_splits > 1,
         UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction),
     )
     if n_splits > 1:
@@ -225,7 +245,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
     return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale)
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
+def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
+                               k_scale=1.0, v_scale=1.0):
     """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     n_batch, n_heads, head_dim = q.shape
@@ -235,7 +256,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_sc
     for b in range(n_batch):
         n = int(seq_lens[b])
         if n > block_table.shape[1] * page_size:
-            _fail("seq_lens", f"[{b}] = {n} exceeds max_pages * page_size = {block_table.shape[1] * page_size}")
+            _fail("seq_lens", f"[{b}] = {n} exceeds max_pages * page_size = "
+                              f"{block_table.shape[1] * page_size}")
         if n <= 0:
             continue
         pos = torch.arange(n, device=q.device)

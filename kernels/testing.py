@@ -51,7 +51,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, name: str) ->
     ref_max = ref64.abs().nan_to_num(0.0).max().item() if ref64.numel() else 0.0
     bad = abs_diff.nan_to_num(math.inf) > tol * ref_max
     worst = int(abs_diff.nan_to_num(math.inf).flatten().argmax()) if abs_diff.numel() else 0
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), out64.shape)) if out64.dim() else ()
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), out64.shape))
     raise AssertionError(
         f"{name}: relative error {err:.3e} > tol {tol:.1e}; "
         f"{int(bad.sum())}/{out64.numel()} elements differ by more than tol*max|ref| = {tol * ref_max:.3e}; "

@@ -96,8 +96,8 @@ def test_gguf_q4_1_blocks_dequantize_exactly():
     qweight, scales, mins = pack_int4(q), d.view(n, k // 32), m.view(n, k // 32)
     w = dequantize_int4(qweight, scales, mins, 32)
     assert_equal(w, expected, "Q4_1 dequantized")
-    assert_equal(w, q.float() * scales.float().repeat_interleave(32, 1) + mins.float().repeat_interleave(32, 1),
-                 "q*d+m")
+    d_k, m_k = (t.float().repeat_interleave(32, dim=1) for t in (scales, mins))  # [n, k]
+    assert_equal(w, q.float() * d_k + m_k, "q*d+m")
     gguf_quants = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType
     theirs = gguf_quants.dequantize(raw.numpy().reshape(-1), GGMLQuantizationType.Q4_1)

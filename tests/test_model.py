@@ -131,3 +131,20 @@ def test_real_model_says_paris():
         p = torch.tensor([pos])
         out.append(int(model.decode(torch.tensor(out[-1:]), p, kv, row[None], _slots(row, p, 16)).argmax()))
     assert "Paris" in tok.decode(out), tok.decode(out)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_batched_decode_attention_matches_reference(kv_dtype):
+    from faultlab.engine.kvcache import batched_decode_attention
+    from kvguard.kernels.paged_attention import paged_decode_attention_ref
+
+    gen = torch.Generator().manual_seed(5)
+    kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.5, v_scale=2.0)
+    kv.store(0, torch.randn(40, 2, 16, generator=gen), torch.randn(40, 2, 16, generator=gen),
+             torch.arange(PAGE, PAGE + 40))  # fills pages 1..10
+    table = torch.tensor([[3, 1, 0, 0], [2, 5, 7, 9], [4, 99, 99, 99]], dtype=torch.int32)  # dead entries
+    seq_lens = torch.tensor([6, 13, 1])
+    q = torch.randn(3, 6, 16, generator=gen)
+    args = (q, kv.k[0], kv.v[0], table, seq_lens, 0.25, kv.k_scale[0], kv.v_scale[0])
+    assert_close(batched_decode_attention(*args), paged_decode_attention_ref(*args), 1e-5,
+                 f"batched decode attention ({kv_dtype})")

@@ -56,7 +56,7 @@ def _tiny() -> ModelConfig:
 def _llama3_8b() -> ModelConfig:
     return ModelConfig(name="llama3-8b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
                        head_dim=128, ffn=14336, vocab=128256, rope_theta=500000.0, rms_eps=1e-5,
-                       tie_embeddings=False, max_context=8192, bos_id=128000, eos_id=128001)
+                       tie_embeddings=False, max_context=16384, bos_id=128000, eos_id=128001)
 
 
 def _smollm2() -> ModelConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BACKENDS = ("torch", "triton")
@@ -11,12 +12,45 @@ _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
 
 
 def _kernels(backend: str):
-    """(store_kv, paged_decode_attention) of `backend`: Triton launchers or torch references."""
+    """(store_kv, decode attention) of `backend`: the Triton launchers, or torch."""
     from kvguard.kernels import kv_store, paged_attention
 
     if backend == "triton":
         return kv_store.store_kv, paged_attention.paged_decode_attention
-    return kv_store.store_kv_ref, paged_attention.paged_decode_attention_ref
+    return kv_store.store_kv_ref, batched_decode_attention
+
+
+def _live_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """block_table [B, P] cut to the longest row; entries past a row's own length become scratch 0."""
+    n_pages = -(-int(seq_lens.max()) // page_size)
+    pages = block_table[:, :n_pages].long()  # [B, np]
+    live = torch.arange(n_pages, device=pages.device) < (seq_lens[:, None] + page_size - 1) // page_size
+    return torch.where(live, pages, 0)
+
+
+def _read(cache: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pages [B, np] of a cache -> float32 [B, np * page_size, Hkv, D], dequantized."""
+    x = cache[pages].flatten(1, 2).float()
+    return x * scale if cache.dtype == torch.float8_e4m3fn else x
+
+
+def batched_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
+    """`paged_decode_attention_ref`'s math (gather, dequantize, masked softmax) for the whole batch at once.
+
+    q [B, H, D], caches [pages, page_size, Hkv, D], block_table int32 [B, P], seq_lens [B] >= 1
+    -> out [B, H, D] in q's dtype. Reads exactly the pages the reference reads (others -> scratch 0).
+    """
+    # NOTE: the reference loops over requests (a dozen small ops each); on a CPU that costs more than
+    # the GEMMs at batch 16, so the torch backend pads to the longest row and masks instead.
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    pages = _live_pages(block_table, seq_lens, k_cache.shape[1])
+    k = _read(k_cache, pages, k_scale).transpose(1, 2)  # [B, Hkv, n, D]
+    v = _read(v_cache, pages, v_scale).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # [B, n]
+    qh = q.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]: head i uses KV head i // G
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :], scale=sm_scale)
+    return out.reshape(b, h, d).to(q.dtype)
 
 
 def _check_choice(what: str, value, valid) -> None:

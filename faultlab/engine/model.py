@@ -25,8 +25,7 @@ class _Layer:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] normalised in float32, scaled by weight [H], back in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +105,10 @@ class LlamaModel:
         """q [T, Hq, D], k/v [T, Hkv, D] of x [T, hidden] at positions [T], RoPE applied."""
         c = self.config
         h = rms_norm(x, layer.attn_norm, c.rms_eps)
-        q, k, v = self.linear(h, layer.wqkv).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        cos, sin = self.cos[positions], self.sin[positions]
-        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)
-        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)
-        return q, k, v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        heads = self.linear(h, layer.wqkv).unflatten(-1, (-1, c.head_dim))  # [T, Hq + 2 Hkv, D]
+        n_qk = c.n_heads + c.n_kv_heads
+        qk = apply_rope(heads[:, :n_qk], self.cos[positions], self.sin[positions])  # one pass for q and k
+        return qk[:, :c.n_heads], qk[:, c.n_heads:], heads[:, n_qk:]
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, layer.ffn_norm, self.config.rms_eps)
@@ -187,6 +185,6 @@ class LlamaModel:
             q, k, v = self._qkv(layer, x, positions)
             kv.store(i, k, v, write_slots)
             attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale)  # [B, Hq, D]
-            x = x + self.linear(attn.flatten(1).to(self.act_dtype), layer.wo)
+            x = x + self.linear(attn.reshape(attn.shape[0], -1).to(self.act_dtype), layer.wo)
             x = x + self._mlp(layer, x)
         return self._logits(x)
