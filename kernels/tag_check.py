@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_BLOCK = 1024
+DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
 
 @triton.jit

@@ -28,22 +28,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
-def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: float32 [max_context, head_dim // 2] for the interleaved-pair RoPE."""
+def rope_table(config: ModelConfig, device) -> torch.Tensor:
+    """complex64 [max_context, head_dim // 2]: e^(i * pos * theta^(-2j / head_dim))."""
     d = config.head_dim
     inv_freq = config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
     angles = torch.arange(config.max_context, dtype=torch.float64, device=device)[:, None] * inv_freq
-    return angles.cos().float(), angles.sin().float()
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i+1) of x [T, H, D] by cos/sin [T, D/2] (GGUF/llama.cpp's convention)."""
-    # NOTE: interleaved pairs, not rotate-half: the GGUF q/k rows are permuted for this form
-    # (see gguf_loader); for random weights the two forms are equally valid.
-    xf = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2j, 2j+1) of x [T, H, D] by rot [T, D/2] (complex) -> float32 [T, H, D].
+
+    NOTE: interleaved pairs, not rotate-half: the GGUF q/k rows are permuted for this form (see
+    gguf_loader); for random weights both forms are equally valid. A pair is a complex number, so
+    the rotation is one complex multiply.
+    """
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, H, D/2]
+    return torch.view_as_real(pairs * rot[:, None, :]).flatten(-2)
 
 
 def _causal_mask(t: int, start_pos: int, device) -> torch.Tensor:
@@ -70,7 +71,7 @@ class LlamaModel:
         self.embedding, self.final_norm = weights.embedding, weights.final_norm
         self.output = self._prepare(weights.output)
         self.layers = [self._prepare_layer(lw) for lw in weights.layers]
-        self.cos, self.sin = rope_tables(config, self.device)
+        self.rot = rope_table(config, self.device)  # [max_context, head_dim // 2]
         self.sm_scale = config.head_dim ** -0.5
 
     def _prepare(self, w: Linear) -> Linear:
@@ -107,7 +108,7 @@ class LlamaModel:
         h = rms_norm(x, layer.attn_norm, c.rms_eps)
         heads = self.linear(h, layer.wqkv).unflatten(-1, (-1, c.head_dim))  # [T, Hq + 2 Hkv, D]
         n_qk = c.n_heads + c.n_kv_heads
-        qk = apply_rope(heads[:, :n_qk], self.cos[positions], self.sin[positions])  # one pass for q and k
+        qk = apply_rope(heads[:, :n_qk], self.rot[positions]).to(heads.dtype)  # q and k in one pass
         return qk[:, :c.n_heads], qk[:, c.n_heads:], heads[:, n_qk:]
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -233,8 +233,12 @@ class BitflipEntry(Fault):
         if picked is None:
             return None
         request, j = picked
-        bit = rng.randrange(int(engine.num_pages).bit_length() + 2)
-        return _set_entry(engine, request, j, int(engine.table[request.row, j]) ^ (1 << bit))
+        page = int(engine.table[request.row, j])
+        # NOTE: only flips that stay inside the KV allocation (pool + guard pages): on this CPU engine a
+        # wilder id would crash the tracker-off run instead of reading the wrong data a GPU would read.
+        limit = engine.num_pages + engine.kv.guard_pages
+        bits = [b for b in range(limit.bit_length() + 1) if (page ^ (1 << b)) <= limit]
+        return _set_entry(engine, request, j, page ^ (1 << rng.choice(bits)))
 
 
 @register
