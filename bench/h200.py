@@ -236,6 +236,36 @@ def section_overhead(args, dev, backend, log):
     return {"copy_bandwidth_gbs": bw, "rows": rows}, {"rows": kernels}
 
 
+class _CheckOnly:
+    """Just what the validation kernel reads: a scattered page table, tags and expected tags."""
+
+    def __init__(self, batch, ctx, page_size, dev):
+        self.batch, self.ps = batch, page_size
+        self.width = -(-(ctx + 1) // page_size)
+        num_pages = batch * self.width
+        self.table = (torch.randperm(num_pages) + 1).view(batch, self.width).to(dev, torch.int32)
+        self.rows = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.n_entries = torch.full((batch,), self.width, dtype=torch.int32, device=dev)
+        self.tracker = TagTracker(TrackerConfig(mode="check", log_violations=False))
+        self.tracker.attach(num_pages=num_pages + 1, num_rows=batch, max_entries=self.width, device=dev)
+        flat = self.table.flatten().long()
+        self.tracker.on_alloc(flat)
+        self.tracker.record_many(self.rows.long().repeat_interleave(self.width),
+                                 torch.arange(self.width, device=dev).repeat(batch), flat)
+
+
+def section_kernel(args, dev, log):
+    bw = copy_bandwidth(dev)
+    rows = []
+    for ps in (16, 1):
+        for batch in (1, 8, 64, 128):
+            row = bench_kernel_alone(_CheckOnly(batch, args.ctx, ps, dev), dev)
+            row["floor_us"] = row["sector_bytes"] / (bw * 1e9) * 1e6
+            rows.append(row)
+            log(f"kernel: {row}")
+    return {"copy_bandwidth_gbs": bw, "rows": rows}
+
+
 def section_kv(args, dev, backend, log):
     """FP8 vs BF16 KV at equal memory: tokens that fit, and peak decode throughput."""
     model = build(args.model, "int4", dev, backend, args.dry_run)
@@ -353,6 +383,8 @@ def main():
             overhead, kernel = section_overhead(args, dev, backend, log)
             dump(out / "h200_overhead.json", {**meta, **overhead})
             dump(out / "h200_kernel.json", {**meta, **kernel})
+        elif section == "kernel":
+            dump(out / "h200_kernel.json", {**meta, **section_kernel(args, dev, log)})
         elif section == "kv":
             dump(out / "h200_fp8_vs_bf16_kv.json", {**meta, **section_kv(args, dev, backend, log)})
         elif section == "weights":
