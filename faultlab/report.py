@@ -78,6 +78,7 @@ def write_json(path: str | Path, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2, default=str)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 

@@ -29,49 +29,125 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _code_to_float(q):
+    """Small non-negative integer codes (< 2**23) -> exact fp32, by bits: ``float(2**23 | q) - 2**23``.
+
+    Cheaper on the GPU than an int-to-float conversion (those issue at a quarter of the FMA rate).
+    """
+    return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _dequant(q, scale, w_min, N_GROUPS: tl.constexpr, HALF_G: tl.constexpr, BLOCK_N: tl.constexpr):
     """q: [N_GROUPS * HALF_G, BLOCK_N] 4-bit codes; scale, w_min: [N_GROUPS, BLOCK_N] -> fp32 weights."""
-    q = tl.reshape(q.to(tl.float32), [N_GROUPS, HALF_G, BLOCK_N])
+    q = tl.reshape(_code_to_float(q), [N_GROUPS, HALF_G, BLOCK_N])
     w = q * scale.to(tl.float32)[:, None, :] + w_min.to(tl.float32)[:, None, :]
     return tl.reshape(w, [N_GROUPS * HALF_G, BLOCK_N])
 
 
 @triton.jit
 def _int4_gemm_kernel(
-    x_ptr, qweight_ptr, scales_ptr, mins_ptr, y_ptr, M, N, K,
-    stride_xm, stride_qn, stride_sn, stride_mn, stride_ym,
+    x_ptr, qweight_ptr, scales_ptr, mins_ptr, y_ptr, M, N, K, k_split,
+    stride_xm, stride_qn, stride_sn, stride_mn, stride_ym, stride_ys,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # x: [M, K]; qweight: [N, K // 2] uint8; scales, mins: [N, K // G] fp16; y: [M, N]
+    # x: [M, K]; qweight: [N, K // 2] uint8; scales, mins: [N, K // G] fp16
+    # y: [M, N] (one split) or fp32 partial sums [n_splits, M, N] (stride_ys apart); split s covers
+    # K in [s * k_split, (s + 1) * k_split), k_split a multiple of BLOCK_K
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    split = tl.program_id(2)
     m_mask = rows < M
     n_mask = cols < N
     half_k = K // 2
+    j_start = split * (k_split // 2)
+    j_end = tl.minimum(half_k, j_start + k_split // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     HALF_G: tl.constexpr = GROUP_SIZE // 2  # bytes per group
     N_GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE  # groups per step (BLOCK_K % GROUP_SIZE == 0)
-    for j0 in range(0, half_k, BLOCK_K // 2):
+    for j0 in range(j_start, j_end, BLOCK_K // 2):
         j = j0 + tl.arange(0, BLOCK_K // 2)  # byte index = K index // 2, [BLOCK_K // 2]
-        w_mask = (j[:, None] < half_k) & n_mask[None, :]  # [BLOCK_K // 2, BLOCK_N]
+        w_mask = (j[:, None] < j_end) & n_mask[None, :]  # [BLOCK_K // 2, BLOCK_N]
         packed = tl.load(qweight_ptr + cols[None, :] * stride_qn + j[:, None], mask=w_mask, other=0)
         # one scale and min per (group, column), broadcast over the group's bytes
         g = j0 // HALF_G + tl.arange(0, N_GROUPS)  # [N_GROUPS]
-        g_mask = (g[:, None] < half_k // HALF_G) & n_mask[None, :]
+        g_mask = (g[:, None] < j_end // HALF_G) & n_mask[None, :]
         scale = tl.load(scales_ptr + cols[None, :] * stride_sn + g[:, None], mask=g_mask, other=0.0)
         w_min = tl.load(mins_ptr + cols[None, :] * stride_mn + g[:, None], mask=g_mask, other=0.0)
         w_even = _dequant(packed & 0xF, scale, w_min, N_GROUPS, HALF_G, BLOCK_N)  # W[n, 2j].T
         w_odd = _dequant(packed >> 4, scale, w_min, N_GROUPS, HALF_G, BLOCK_N)  # W[n, 2j+1].T
         w_even = w_even.to(x_ptr.dtype.element_ty)
         w_odd = w_odd.to(x_ptr.dtype.element_ty)
-        x_mask = m_mask[:, None] & (j[None, :] < half_k)  # [BLOCK_M, BLOCK_K // 2]
+        x_mask = m_mask[:, None] & (j[None, :] < j_end)  # [BLOCK_M, BLOCK_K // 2]
         x_even = tl.load(x_ptr + rows[:, None] * stride_xm + 2 * j[None, :], mask=x_mask, other=0.0)
         x_odd = tl.load(x_ptr + rows[:, None] * stride_xm + 2 * j[None, :] + 1, mask=x_mask, other=0.0)
         acc = _dot(x_even, w_even, acc, UPCAST)
         acc = _dot(x_odd, w_odd, acc, UPCAST)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, qweight_ptr, scales_ptr, mins_ptr, y_ptr, M, N, K, k_split,
+    stride_xm, stride_qn, stride_sn, stride_mn, stride_ym, stride_ys,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Small-M path on CUDA cores (no tl.dot): one program per (BLOCK_N rows of W, split of K).
+
+    Per group ``g`` of a row: ``sum_k x[k] W[n, k] = scale[n, g] * sum_k x[k] q[n, k] + min[n, g] * sum_k x[k]``,
+    so the inner loop is one multiply-add per weight and row of x; the even (low nibble) and odd (high
+    nibble) K columns multiply x[0::2] and x[1::2] separately. The high nibble is used in place
+    (``byte & 0xF0`` = 16 q) against ``x[1::2] / 16`` (both scalings exact). Accumulates in fp32.
+    """
+    HALF_G: tl.constexpr = GROUP_SIZE // 2  # bytes per group
+    N_GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE  # groups per step
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    split = tl.program_id(1)
+    n_mask = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    half_k = K // 2
+    j_start = split * (k_split // 2)
+    j_end = tl.minimum(half_k, j_start + k_split // 2)
+    grp = tl.arange(0, N_GROUPS)  # [N_GROUPS]
+    byte = grp[:, None] * HALF_G + tl.arange(0, HALF_G)[None, :]  # [N_GROUPS, HALF_G] byte in the step
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j0 in range(j_start, j_end, BLOCK_K // 2):
+        j = j0 + byte  # [N_GROUPS, HALF_G] byte index = K index // 2
+        g = j0 // HALF_G + grp  # [N_GROUPS] group index
+        g_mask = g < j_end // HALF_G  # whole groups: K and k_split are multiples of GROUP_SIZE
+        w_mask = n_mask[:, None, None] & g_mask[None, :, None]
+        packed = tl.load(qweight_ptr + cols[:, None, None] * stride_qn + j[None, :, :], mask=w_mask, other=0)
+        packed = packed.to(tl.int32)  # [BLOCK_N, N_GROUPS, HALF_G]
+        q_even = _code_to_float(packed & 0xF)  # q[n, 2j]
+        q_odd16 = _code_to_float(packed & 0xF0)  # 16 * q[n, 2j + 1]
+        s_mask = n_mask[:, None] & g_mask[None, :]
+        scale = tl.load(scales_ptr + cols[:, None] * stride_sn + g[None, :], mask=s_mask, other=0.0)
+        w_min = tl.load(mins_ptr + cols[:, None] * stride_mn + g[None, :], mask=s_mask, other=0.0)
+        scale = scale.to(tl.float32)  # [BLOCK_N, N_GROUPS]
+        w_min = w_min.to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            x_mask = g_mask[:, None] & (r < M)
+            x_even = tl.load(x_ptr + r * stride_xm + 2 * j, mask=x_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + r * stride_xm + 2 * j + 1, mask=x_mask, other=0.0).to(tl.float32)
+            qx = tl.sum(q_even * x_even[None, :, :] + q_odd16 * (x_odd * 0.0625)[None, :, :], axis=2)
+            x_sum = tl.sum(x_even + x_odd, axis=1)  # [N_GROUPS]
+            part = tl.sum(qx * scale + w_min * x_sum[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
+    y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, total, n_splits, BLOCK: tl.constexpr):
+    """y.flat[i] = sum_s part[s].flat[i] (fp32), cast to y's dtype; part: [n_splits, M, N] contiguous."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(n_splits):
+        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _fail(name: str, why: str):
@@ -104,34 +180,86 @@ def _validate(x, qweight, scales, mins, group_size):
         _fail("tensors", f"must share one device, got {sorted(map(str, devices))}")
 
 
-def _blocks(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N), from a sweep on an H200 (bf16 x, N = 14336, K = 4096)."""
+GEMV_MAX_M = 16  # M up to this takes the CUDA-core GEMV path; larger M the tl.dot path
+TARGET_PROGRAMS = 1024  # split K until about this many programs (132 SMs, several programs each)
+
+
+def _blocks(m: int) -> tuple[int, int, int, int]:
+    """tl.dot path (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (bf16 x)."""
     if m <= 16:
-        return 16, 64
+        return 16, 64, 256, 4
+    if m <= 32:
+        return 32, 64, 256, 4
     if m <= 64:
-        return 16, 128
-    return 64, 128
+        return 64, 64, 256, 4
+    return 128, 128, 128, 8
 
 
-def _int4_linear(x, qweight, scales, mins, group_size, block_m=None, block_n=None, block_k=BLOCK_K):
-    """:func:`int4_linear` with explicit tile sizes (``None``: chosen from M)."""
+def _gemv_blocks(m: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """GEMV path (BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (bf16 x)."""
+    block_k = 256 if m <= 4 else 128
+    return (32 if m <= 4 else 16), max(block_k, group_size), 4
+
+
+def _n_splits(k: int, block_k: int, tiles: int, target: int) -> tuple[int, int]:
+    """(K elements per split, number of splits) so that tiles * splits reaches about ``target``."""
+    steps = triton.cdiv(k, block_k)
+    want = max(1, min(steps, triton.cdiv(target, tiles)))
+    k_split = triton.cdiv(steps, want) * block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
+def _int4_linear(x, qweight, scales, mins, group_size, block_m=None, block_n=None, block_k=None,
+                 split_k=None, num_warps=None, path=None, target_programs=TARGET_PROGRAMS):
+    """:func:`int4_linear` with explicit tile sizes (``None``: chosen from M).
+
+    ``path``: "gemv" (CUDA cores, M <= 16) or "dot" (tl.dot); ``split_k``: number of K splits (their
+    fp32 partial sums are added by a second small kernel); both chosen from the shape when None.
+    """
     _validate(x, qweight, scales, mins, group_size)
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    auto_m, auto_n = _blocks(m)
-    block_m, block_n = block_m or auto_m, block_n or auto_n
+    if path is None:
+        path = "gemv" if m <= GEMV_MAX_M else "dot"
+    if path == "gemv":
+        if m > 16:
+            _fail("x", f"has M = {m} rows; the GEMV path takes at most 16")
+        auto_n, auto_k, auto_warps = _gemv_blocks(m, k, group_size)
+        block_m = triton.next_power_of_2(m)
+    elif path == "dot":
+        auto_m, auto_n, auto_k, auto_warps = _blocks(m)
+        block_m = block_m or auto_m
+    else:
+        _fail("path", f"must be 'gemv' or 'dot', got {path!r}")
+    block_n, block_k, num_warps = block_n or auto_n, block_k or auto_k, num_warps or auto_warps
+    block_k = max(block_k, group_size)
     if block_k % group_size != 0:
         _fail("block_k", f"{block_k} must be a multiple of group_size {group_size}")
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, mins, y, m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), mins.stride(0), y.stride(0),
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=not isinstance(_int4_gemm_kernel, triton.runtime.JITFunction), num_warps=8,
-    )
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split_k is None:
+        k_split, n_splits = _n_splits(k, block_k, tiles, target_programs if x.is_cuda else 1)
+    else:
+        k_split, n_splits = _n_splits(k, block_k, 1, split_k)
+    target = y if n_splits == 1 else torch.empty((n_splits, m, n), dtype=torch.float32, device=x.device)
+    stride_ys = 0 if n_splits == 1 else target.stride(0)
+    args = (x, qweight, scales, mins, target, m, n, k, k_split,
+            x.stride(0), qweight.stride(0), scales.stride(0), mins.stride(0), n, stride_ys)
+    if path == "gemv":
+        _int4_gemv_kernel[(triton.cdiv(n, block_n), n_splits)](
+            *args, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
+    else:
+        _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), n_splits)](
+            *args, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            UPCAST=not isinstance(_int4_gemm_kernel, triton.runtime.JITFunction), num_warps=num_warps,
+        )
+    if n_splits > 1:
+        total = m * n
+        _split_sum_kernel[(triton.cdiv(total, 512),)](target, y, total, n_splits, BLOCK=512)
     return y
 
 

@@ -38,10 +38,13 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP16_DOT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    FP16_DOT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
 ):
     # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
     # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
+    # MODE 0: heads fill the MMA rows (padded to BLOCK_H >= 16): s = q @ K^T, acc += p @ V.
+    # MODE 1: tokens fill the MMA rows: s^T = K @ q^T, acc^T += V^T @ p^T (acc kept transposed).
+    # MODE 2: no tl.dot; the BLOCK_H (>= GROUP, any power of two) heads multiply-and-sum on CUDA cores.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,16 +56,23 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     q = q.to(tl.float32) * q_scale
-    if FP16_DOT:  # dot operands in fp16, else in q's dtype
+    if MODE == 2:
+        pass  # fp32 on CUDA cores
+    elif FP16_DOT:  # dot operands in fp16, else in q's dtype
         q = q.to(tl.float16)
     else:
         q = q.to(q_ptr.dtype.element_ty)
+    if MODE == 1:
+        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_tokens
     end = tl.minimum(seq_len, start + split_tokens)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if MODE == 1:
+        acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for tok0 in range(start, end, BLOCK_N):
         tok = tok0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         t_mask = tok < end
@@ -70,22 +80,45 @@ def _paged_decode_kernel(
         offset = tok % page_size
         k_rows = page * stride_kp + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
         v_rows = page * stride_vp + offset * stride_vs + kv_head * stride_vh
-        k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
-                      mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        scores = _dot(q, k_t.to(q.dtype), None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+        if MODE == 0:
+            k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
+                          mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            scores = _dot(q, k_t.to(q.dtype), None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+        elif MODE == 1:
+            k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
+                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            scores = tl.trans(_dot(k.to(q.dtype), q_t, None, UPCAST)) * qk_scale  # [BLOCK_H, BLOCK_N]
+        else:
+            k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
+                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
-                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST)
+        if MODE == 1:
+            v_t = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None],
+                          mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            acc = _dot(v_t.to(q.dtype), tl.trans(p.to(q.dtype)), acc * alpha[None, :], UPCAST)
+        else:
+            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
+                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            if MODE == 0:
+                acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m_i = m_new
     has = l_i > 0
-    o = acc * v_scale / tl.where(has, l_i, 1.0)[:, None]
-    o_mask = h_mask[:, None] & d_mask[None, :]
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    inv_l = v_scale / tl.where(has, l_i, 1.0)
+    if MODE == 1:
+        o = acc * inv_l[None, :]  # [BLOCK_D, BLOCK_H]
+        o_mask = h_mask[None, :] & d_mask[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[None, :] * stride_oh + split * stride_os + d[:, None]
+    else:
+        o = acc * inv_l[:, None]
+        o_mask = h_mask[:, None] & d_mask[None, :]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     if SPLIT:
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -185,9 +218,22 @@ def _dot_setup(q, k_cache, sm_scale: float, k_scale: float):
     return False, 1.0, sm_scale * k_scale
 
 
+def _choose(cache_dtype, group: int, n_splits: int) -> tuple[int, int, int, int]:
+    """(MODE, BLOCK_N, num_warps, num_stages) from a sweep on an H200 (H=32, Hkv=8, D=128, context 8192)."""
+    if group >= 16:
+        return 0, BLOCK_N, 4, 2
+    if cache_dtype == torch.float8_e4m3fn:
+        return 1, (BLOCK_N_FP8 if n_splits == 1 else BLOCK_N), 4, 2
+    return 1, BLOCK_N, 4, 2
+
+
 def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
-                  n_splits=None, block_n=None):
-    """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size)."""
+                  n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None):
+    """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size).
+
+    ``mode``: 0 (heads fill the MMA rows), 1 (tokens fill them) or 2 (CUDA cores, no tl.dot); it,
+    ``block_n``, ``num_warps`` and ``num_stages`` are chosen from the cache dtype and GQA group when None.
+    """
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -199,12 +245,18 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     max_tokens = max(1, block_table.shape[1] * page_size)
     if n_splits is None:
         n_splits = _auto_splits(q, n_kv_heads, max_tokens)
-    if block_n is None:  # from a sweep on an H200 (H=32, Hkv=8, D=128, context 8192)
-        block_n = BLOCK_N_FP8 if k_cache.dtype == torch.float8_e4m3fn and n_splits == 1 else BLOCK_N
+    auto_mode, auto_n, auto_warps, auto_stages = _choose(k_cache.dtype, group, n_splits)
+    mode = auto_mode if mode is None else mode
+    if mode not in (0, 1, 2):
+        _fail("mode", f"must be 0, 1 or 2, got {mode}")
+    block_n = block_n or auto_n
+    num_warps, num_stages = num_warps or auto_warps, num_stages or auto_stages
     split_tokens = triton.cdiv(triton.cdiv(max_tokens, n_splits), block_n) * block_n
     n_splits = triton.cdiv(max_tokens, split_tokens)
     block_d = triton.next_power_of_2(head_dim)
-    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    block_h = triton.next_power_of_2(group)
+    if mode != 2:
+        block_h = max(16, block_h)  # tl.dot needs >= 16 rows
     if n_splits > 1:
         part = torch.empty((n_batch, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((n_batch, n_heads, n_splits), dtype=torch.float32, device=q.device)
@@ -219,7 +271,8 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), *strides,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FP16_DOT=fp16_dot, SPLIT=n_splits > 1,
-        UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction),
+        UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction), MODE=mode,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if n_splits > 1:
         _paged_decode_reduce_kernel[(n_batch, n_heads)](

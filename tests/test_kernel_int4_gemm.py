@@ -162,3 +162,37 @@ def test_k_not_multiple_of_group_rejected():
     qweight, scales, mins = _weights(4, 64, 32, seed=40)
     with pytest.raises(ValueError, match="x"):
         int4_linear(randn((1, 48), 41, device=DEVICE), qweight[:, :24], scales, mins, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("group_size,n,k", [(32, 40, 96), (128, 24, 384), (128, 33, 640)])  # odd multiples of G
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gemv_path_matches_ref(m, group_size, n, k, dtype):
+    # the small-M CUDA-core path, whole K in one program and split over K (fp32 partials + a sum kernel)
+    qweight, scales, mins = _weights(n, k, group_size, seed=50 + m + n)
+    x = randn((m, k), 60 + m, dtype, DEVICE)
+    ref = int4_linear_ref(x, qweight, scales, mins, group_size)
+    y = int4_linear(x, qweight, scales, mins, group_size)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert_close(y, ref, TOL[dtype], f"int4_linear M={m} N={n} K={k} G={group_size}")
+    for split_k in (1, 3):
+        y = _int4_linear(x, qweight, scales, mins, group_size, path="gemv", split_k=split_k, block_n=16)
+        assert_close(y, ref, TOL[dtype], f"int4_linear gemv M={m} N={n} K={k} G={group_size} split {split_k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("m", [5, 33])
+def test_dot_path_split_k(m, dtype):
+    # the tl.dot path (forced for small M too) with K split over programs
+    n, k, group_size = 40, 384, 128
+    qweight, scales, mins = _weights(n, k, group_size, seed=70 + m)
+    x = randn((m, k), 71 + m, dtype, DEVICE)
+    ref = int4_linear_ref(x, qweight, scales, mins, group_size)
+    y = _int4_linear(x, qweight, scales, mins, group_size, path="dot", split_k=3, block_k=128)
+    assert_close(y, ref, TOL[dtype], f"int4_linear dot M={m} split 3")
+
+
+def test_gemv_path_rejects_large_m():
+    qweight, scales, mins = _weights(8, 64, 32, seed=80)
+    with pytest.raises(ValueError, match="x"):
+        _int4_linear(randn((17, 64), 81, device=DEVICE), qweight, scales, mins, 32, path="gemv")

@@ -123,3 +123,26 @@ def test_launcher_rejects_bad_arguments(name, bad):
     for op in (paged_decode_attention, paged_decode_attention_ref):
         with pytest.raises(ValueError, match=name):
             op(**args)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("n_splits", [1, 2])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, FP8), (torch.bfloat16, FP8),
+], ids=_name)
+def test_every_mode_matches_ref(q_dtype, cache_dtype, n_splits, mode):
+    # heads-in-MMA-rows (0), tokens-in-MMA-rows (1) and CUDA-core (2) kernels; 4 query heads per KV head
+    # like the 8B model (H=8 over Hkv=2), lengths across page and block boundaries
+    case = make_case([1, 17, 150], 16, 8, 2, 32, q_dtype, cache_dtype, seed=100 + mode)
+    out = _paged_decode(*case, 32 ** -0.5, K_SCALE, V_SCALE, n_splits=n_splits, mode=mode, block_n=32)
+    ref = paged_decode_attention_ref(*case, 32 ** -0.5, K_SCALE, V_SCALE)
+    assert out.dtype == q_dtype and out.shape == case[0].shape
+    assert_close(out, ref, TOL[q_dtype], f"attention mode {mode} {q_dtype}/{cache_dtype} x{n_splits}")
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_modes_odd_group_and_head_dim(mode):
+    # GROUP = 3 (padded to 4 or 16 rows) and head_dim 48 (padded to 64)
+    case = make_case([5, 29], 16, 6, 2, 48, torch.float32, torch.float32, seed=110 + mode)
+    out = _paged_decode(*case, 48 ** -0.5, K_SCALE, V_SCALE, mode=mode)
+    assert_close(out, paged_decode_attention_ref(*case, 48 ** -0.5), 1e-5, f"attention mode {mode} G=3 D=48")

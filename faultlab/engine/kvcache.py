@@ -1,6 +1,7 @@
 """The paged KV cache: per-layer K/V page pools (page 0 = scratch, guard pages after the pool)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -11,55 +12,82 @@ BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
 
 
-def _kernels(backend: str):
-    """(store_kv, decode attention) of `backend`: the Triton launchers, or torch."""
-    from kvguard.kernels import kv_store, paged_attention
-
-    if backend == "triton":
-        return kv_store.store_kv, paged_attention.paged_decode_attention
-    return kv_store.store_kv_ref, batched_decode_attention
+FP8_MAX = 448.0
 
 
-def _live_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """block_table [B, P] cut to the longest row; entries past a row's own length become scratch 0."""
+def _kernel(module: str, name: str):
+    """A Triton launcher of `kvguard.kernels.<module>`."""
+    import importlib
+
+    return getattr(importlib.import_module(f"kvguard.kernels.{module}"), name)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """What the torch decode attention needs from (block_table, seq_lens), computed once per step."""
+
+    pages: torch.Tensor  # long [B, np]: pages of each row's live tokens, scratch 0 past them
+    mask: torch.Tensor  # bool [B, 1, 1, np * page_size]: token j of row b is live
+
+
+def decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
+    """Cut block_table [B, P] to the longest row; entries past a row's own length become scratch 0."""
     n_pages = -(-int(seq_lens.max()) // page_size)
     pages = block_table[:, :n_pages].long()  # [B, np]
     live = torch.arange(n_pages, device=pages.device) < (seq_lens[:, None] + page_size - 1) // page_size
-    return torch.where(live, pages, 0)
+    tokens = torch.arange(n_pages * page_size, device=pages.device) < seq_lens[:, None]  # [B, n]
+    return DecodePlan(torch.where(live, pages, 0), tokens[:, None, None, :])
 
 
-def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cache contents -> float32: `x.float() * scale` for FP8 (scale ignored otherwise)."""
+def fp8_table(scale: float, device) -> torch.Tensor:
+    """float32 [256]: the value of every e4m3 byte times `scale`."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    return codes.float() * scale
+
+
+def dequantize(x: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """Cache contents -> float32; FP8 through `fp8_table(scale)`, i.e. `x.float() * scale`."""
     if x.dtype != torch.float8_e4m3fn:
         return x.float()
-    # NOTE: a 256-entry table of every e4m3 byte's value times the scale gives the same bits as
-    # `x.float() * scale` (NaN included) and is ~2.5x faster on a CPU than torch's fp8 cast.
-    table = torch.arange(256, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn).float() * scale
+    # NOTE: looking every byte up in a 256-entry table gives the same bits as `x.float() * scale`
+    # (NaN included) and is ~2.5x faster on a CPU than torch's fp8 cast.
     return torch.take(table, x.view(torch.uint8).long())
 
 
-def _read(cache: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
-    """Pages [B, np] of a cache -> float32 [B, np * page_size, Hkv, D], dequantized."""
-    return dequantize(cache[pages].flatten(1, 2), scale)
+def _attend(q, k_cache, v_cache, plan: DecodePlan, k_table, v_table, sm_scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    k = dequantize(k_cache[plan.pages].flatten(1, 2), k_table).transpose(1, 2)  # [B, Hkv, n, D]
+    v = dequantize(v_cache[plan.pages].flatten(1, 2), v_table).transpose(1, 2)
+    qh = q.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]: head i uses KV head i // G
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=plan.mask, scale=sm_scale)
+    return out.reshape(b, h, d).to(q.dtype)
 
 
 def batched_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
-    """`paged_decode_attention_ref`'s math (gather, dequantize, masked softmax) for the whole batch at once.
+    """`paged_decode_attention_ref`'s math (gather, dequantize, masked softmax), whole batch at once.
 
     q [B, H, D], caches [pages, page_size, Hkv, D], block_table int32 [B, P], seq_lens [B] >= 1
-    -> out [B, H, D] in q's dtype. Reads exactly the pages the reference reads (others -> scratch 0).
+    -> out [B, H, D] in q's dtype. Reads exactly the pages the reference reads.
     """
     # NOTE: the reference loops over requests (a dozen small ops each); on a CPU that costs more than
     # the GEMMs at batch 16, so the torch backend pads to the longest row and masks instead.
-    b, h, d = q.shape
-    hkv = k_cache.shape[2]
-    pages = _live_pages(block_table, seq_lens, k_cache.shape[1])
-    k = _read(k_cache, pages, k_scale).transpose(1, 2)  # [B, Hkv, n, D]
-    v = _read(v_cache, pages, v_scale).transpose(1, 2)
-    mask = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # [B, n]
-    qh = q.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]: head i uses KV head i // G
-    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :], scale=sm_scale)
-    return out.reshape(b, h, d).to(q.dtype)
+    plan = decode_plan(block_table, seq_lens, k_cache.shape[1])
+    return _attend(q, k_cache, v_cache, plan, fp8_table(k_scale, q.device), fp8_table(v_scale, q.device),
+                   sm_scale)
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    x = x.float() if scale == 1.0 else x.float() / scale  # x / 1.0 == x: skip the division
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def store_kv_torch(k, v, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0) -> None:
+    """`store_kv_ref`'s bits (clamp(x / scale) to e4m3, or a cast) with one flat index_put per cache."""
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = _quantize(k, k_cache.dtype, k_scale)  # [P * ps, Hkv, D]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = _quantize(v, v_cache.dtype, v_scale)
 
 
 def _check_choice(what: str, value, valid) -> None:
@@ -104,7 +132,9 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
         self._fill_garbage()
-        self._store, self._attend = _kernels(backend)
+        fp8 = dtype == "fp8"
+        self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
+        self._v_tables = [fp8_table(x, self.device) if fp8 else None for x in self.v_scale]
 
     def _fill_garbage(self) -> None:
         """Seeded noise in page 0 and the guard pages: reading them visibly corrupts attention."""
@@ -140,20 +170,32 @@ class PagedKVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v [T, Hkv, D] to flat slots [T] (long) of `layer`, quantizing to the cache dtype."""
-        self._store(k, v, self.k[layer], self.v[layer], slots, self.k_scale[layer], self.v_scale[layer])
+        store = store_kv_torch if self.backend == "torch" else _kernel("kv_store", "store_kv")
+        store(k, v, self.k[layer], self.v[layer], slots, self.k_scale[layer], self.v_scale[layer])
+
+    def decode_plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan | None:
+        """The per-step part of decode attention, to share between layers (None on "triton")."""
+        return decode_plan(block_table, seq_lens, self.page_size) if self.backend == "torch" else None
 
     def decode_attention(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
-        """Paged decode attention of q [B, H, D] over `seq_lens` [B] tokens of block_table [B, P]."""
-        return self._attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
-                            self.k_scale[layer], self.v_scale[layer])
+                         seq_lens: torch.Tensor, sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
+        """Paged decode attention of q [B, H, D] over `seq_lens` [B] tokens of block_table [B, P].
+
+        `plan` (from `decode_plan` of the same block_table/seq_lens) skips recomputing it per layer.
+        """
+        if self.backend == "triton":
+            attend = _kernel("paged_attention", "paged_decode_attention")
+            return attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
+                          self.k_scale[layer], self.v_scale[layer])
+        plan = plan or decode_plan(block_table, seq_lens, self.page_size)
+        return _attend(q, self.k[layer], self.v[layer], plan, self._k_tables[layer], self._v_tables[layer],
+                       sm_scale)
 
     def gather(self, layer: int, page_row: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n_tokens` of one page row, dequantized: (k, v) float32 [n_tokens, Hkv, D]."""
-        n_pages = -(-n_tokens // self.page_size)
-        pages = page_row[:n_pages].long()
-        k = dequantize(self.k[layer][pages].flatten(0, 1)[:n_tokens], self.k_scale[layer])
-        v = dequantize(self.v[layer][pages].flatten(0, 1)[:n_tokens], self.v_scale[layer])
+        pages = page_row[:-(-n_tokens // self.page_size)].long()
+        k = dequantize(self.k[layer][pages].flatten(0, 1)[:n_tokens], self._k_tables[layer])
+        v = dequantize(self.v[layer][pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
         return k, v
 
 

@@ -102,13 +102,13 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].to(self.act_dtype)  # [T, hidden]
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor):
-        """q [T, Hq, D], k/v [T, Hkv, D] of x [T, hidden] at positions [T], RoPE applied."""
+    def _qkv(self, layer: _Layer, x: torch.Tensor, rot: torch.Tensor):
+        """q [T, Hq, D], k/v [T, Hkv, D] of x [T, hidden], RoPE by rot [T, D/2] applied."""
         c = self.config
         h = rms_norm(x, layer.attn_norm, c.rms_eps)
         heads = self.linear(h, layer.wqkv).unflatten(-1, (-1, c.head_dim))  # [T, Hq + 2 Hkv, D]
         n_qk = c.n_heads + c.n_kv_heads
-        qk = apply_rope(heads[:, :n_qk], self.rot[positions]).to(heads.dtype)  # q and k in one pass
+        qk = apply_rope(heads[:, :n_qk], rot).to(heads.dtype)  # q and k in one pass
         return qk[:, :c.n_heads], qk[:, c.n_heads:], heads[:, n_qk:]
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -140,9 +140,9 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.sm_scale)
         return out.permute(2, 0, 1, 3).flatten(1)  # [T, Hq * D]
 
-    def _prefill_layer(self, i: int, x, positions, start_pos, kv, page_row, write_slots):
+    def _prefill_layer(self, i: int, x, rot, start_pos, kv, page_row, write_slots):
         layer = self.layers[i]
-        q, k, v = self._qkv(layer, x, positions)
+        q, k, v = self._qkv(layer, x, rot)
         kv.store(i, k, v, write_slots)
         if start_pos > 0:  # the cached prefix, dequantized from the pages
             k_old, v_old = kv.gather(i, page_row, start_pos)
@@ -162,10 +162,10 @@ class LlamaModel:
         """
         t = tokens.shape[0]
         self._check_positions(start_pos + t - 1)
-        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        rot = self.rot[start_pos:start_pos + t]  # [T, D/2]
         x = self._embed(tokens)
         for i in range(len(self.layers)):
-            x = self._prefill_layer(i, x, positions, start_pos, kv, page_row, write_slots)
+            x = self._prefill_layer(i, x, rot, start_pos, kv, page_row, write_slots)
         return self._logits(x[-1:] if last_only else x)
 
     # ---- decode --------------------------------------------------------------------------------
@@ -181,11 +181,12 @@ class LlamaModel:
         if positions.device.type == "cpu":  # no host sync on an accelerator
             self._check_positions(int(positions.max()))
         seq_lens = (positions + 1).to(torch.int32)
-        x = self._embed(tokens)  # [B, hidden]
+        plan = kv.decode_plan(block_table, seq_lens)  # shared by every layer
+        rot, x = self.rot[positions], self._embed(tokens)  # [B, D/2], [B, hidden]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, rot)
             kv.store(i, k, v, write_slots)
-            attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale)  # [B, Hq, D]
+            attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale, plan)  # [B, Hq, D]
             x = x + self.linear(attn.reshape(attn.shape[0], -1).to(self.act_dtype), layer.wo)
             x = x + self._mlp(layer, x)
         return self._logits(x)
