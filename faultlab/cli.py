@@ -29,6 +29,8 @@ def _add_run_args(p):
     p.add_argument("--tracker", choices=("on", "off", "both"), default="both")
     p.add_argument("--faults", help="comma-separated fault classes (override the scenario)")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the fault-free run per seed (no non-victim output comparison; faster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,21 +114,22 @@ def _case_job(job):
 
     # NOTE: chaos cases run small models; one torch thread per process avoids thread-pool stalls
     torch.set_num_threads(1)
-    scenario, fault, seed, trackers = job
+    scenario, fault, seed, trackers, compare = job
     key = (scenario.name, seed)
-    if key not in _BASELINES:
+    if compare and key not in _BASELINES:
         _BASELINES[key] = run_case(scenario, None, seed, False)
-    return [run_case(scenario, fault, seed, t == "on", baseline=_BASELINES[key]) for t in trackers]
+    baseline = _BASELINES.get(key) if compare else None
+    return [run_case(scenario, fault, seed, t == "on", baseline=baseline) for t in trackers]
 
 
-def _run_cases(scenario, classes, seeds, trackers, label, jobs: int = 0):
+def _run_cases(scenario, classes, seeds, trackers, label, jobs: int = 0, compare: bool = True):
     import multiprocessing
     import os
 
     from tqdm import tqdm
 
     first = scenario.faults.first_seed
-    work = [(scenario, f, s, trackers) for s in range(first, first + seeds) for f in classes]
+    work = [(scenario, f, s, trackers, compare) for s in range(first, first + seeds) for f in classes]
     jobs = jobs or min(len(work), os.cpu_count() or 1)
     bar = tqdm(total=len(work) * len(trackers), desc=label, unit="case", file=sys.stderr, dynamic_ncols=True)
     cases = []
@@ -175,7 +178,7 @@ def cmd_run(args, all_classes: bool = False) -> int:
     trackers = ("off", "on") if args.tracker == "both" else (args.tracker,)
     started = time.time()
     cases = _run_cases(scenario, classes, args.seeds or scenario.faults.seeds, trackers, scenario.name,
-                       args.jobs)
+                       args.jobs, compare=not args.no_compare)
     return _report(args, scenario, cases, started)
 
 

@@ -134,17 +134,27 @@ def test_real_model_says_paris():
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
-def test_batched_decode_attention_matches_reference(kv_dtype):
+def test_torch_cache_ops_match_kernel_references(kv_dtype):
     from faultlab.engine.kvcache import batched_decode_attention
+    from kvguard.kernels.kv_store import store_kv_ref
     from kvguard.kernels.paged_attention import paged_decode_attention_ref
 
     gen = torch.Generator().manual_seed(5)
-    kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.5, v_scale=2.0)
-    kv.store(0, torch.randn(40, 2, 16, generator=gen), torch.randn(40, 2, 16, generator=gen),
-             torch.arange(PAGE, PAGE + 40))  # fills pages 1..10
+    kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.3, v_scale=2.0)
+    k, v = torch.randn(40, 2, 16, generator=gen) * 50, torch.randn(40, 2, 16, generator=gen)
+    slots = torch.randperm(40, generator=gen) + PAGE  # pages 1..10, shuffled
+    ref_k, ref_v = kv.k[0].clone(), kv.v[0].clone()
+    store_kv_ref(k, v, ref_k, ref_v, slots, 0.3, 2.0)
+    kv.store(0, k, v, slots)
+    assert torch.equal(kv.k[0].view(torch.uint8), ref_k.view(torch.uint8))  # same bits
+    assert torch.equal(kv.v[0].view(torch.uint8), ref_v.view(torch.uint8))
     table = torch.tensor([[3, 1, 0, 0], [2, 5, 7, 9], [4, 99, 99, 99]], dtype=torch.int32)  # dead entries
     seq_lens = torch.tensor([6, 13, 1])
     q = torch.randn(3, 6, 16, generator=gen)
-    args = (q, kv.k[0], kv.v[0], table, seq_lens, 0.25, kv.k_scale[0], kv.v_scale[0])
-    assert_close(batched_decode_attention(*args), paged_decode_attention_ref(*args), 1e-5,
-                 f"batched decode attention ({kv_dtype})")
+    args = (q, kv.k[0], kv.v[0], table, seq_lens, 0.25, 0.3, 2.0)
+    ref = paged_decode_attention_ref(*args)
+    assert_close(batched_decode_attention(*args), ref, 1e-5, f"batched decode attention ({kv_dtype})")
+    assert_close(kv.decode_attention(0, q, table, seq_lens, 0.25), ref, 1e-5, f"PagedKVCache ({kv_dtype})")
+    k_gather, _ = kv.gather(0, table[1], 13)
+    k_ref = ref_k[table[1].long()].flatten(0, 1)[:13].float() * (0.3 if kv_dtype == "fp8" else 1.0)
+    assert torch.equal(k_gather, k_ref)
