@@ -7,7 +7,11 @@ nibble of byte ``j`` and element ``2j + 1`` in the high nibble; ``scales, mins: 
 The kernel never interleaves nibbles: a tile of bytes gives the even columns of W (low nibbles) and
 the odd columns (high nibbles), which multiply the even and odd columns of x in two ``tl.dot``s
 accumulating in fp32. On bf16 x the dequantized tiles are rounded to bf16 for the dot; on fp32 x the
-dot runs in IEEE fp32 (no TF32).
+dot runs in IEEE fp32 (no TF32). When the (M, N) tiles alone would leave SMs idle, K is split over
+programs whose fp32 partial sums a second small kernel adds (no host sync: CUDA-graph capturable).
+
+A CUDA-core GEMV path (``_int4_linear(..., path="gemv")``, M <= 16, no tl.dot) exists and is tested, but
+it measured slower than the tl.dot path on an H200 (table in :func:`_blocks`), so it is not the default.
 """
 import torch
 import triton
@@ -96,10 +100,10 @@ def _int4_gemv_kernel(
 ):
     """Small-M path on CUDA cores (no tl.dot): one program per (BLOCK_N rows of W, split of K).
 
-    Per group ``g`` of a row: ``sum_k x[k] W[n, k] = scale[n, g] * sum_k x[k] q[n, k] + min[n, g] * sum_k x[k]``,
-    so the inner loop is one multiply-add per weight and row of x; the even (low nibble) and odd (high
-    nibble) K columns multiply x[0::2] and x[1::2] separately. The high nibble is used in place
-    (``byte & 0xF0`` = 16 q) against ``x[1::2] / 16`` (both scalings exact). Accumulates in fp32.
+    The tile of bytes is held as [BLOCK_N, groups, bytes per group] so that a group's scale and min
+    broadcast without reshapes; low nibbles (even K columns) multiply x[0::2] and high nibbles (odd K
+    columns) x[1::2]. Products accumulate elementwise in fp32 registers over the program's K range and
+    are reduced across threads once at the end (no shuffles in the loop).
     """
     HALF_G: tl.constexpr = GROUP_SIZE // 2  # bytes per group
     N_GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE  # groups per step
@@ -107,12 +111,14 @@ def _int4_gemv_kernel(
     split = tl.program_id(1)
     n_mask = cols < N
     rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
     half_k = K // 2
     j_start = split * (k_split // 2)
     j_end = tl.minimum(half_k, j_start + k_split // 2)
     grp = tl.arange(0, N_GROUPS)  # [N_GROUPS]
     byte = grp[:, None] * HALF_G + tl.arange(0, HALF_G)[None, :]  # [N_GROUPS, HALF_G] byte in the step
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pair = tl.arange(0, 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, N_GROUPS, HALF_G], dtype=tl.float32)
     for j0 in range(j_start, j_end, BLOCK_K // 2):
         j = j0 + byte  # [N_GROUPS, HALF_G] byte index = K index // 2
         g = j0 // HALF_G + grp  # [N_GROUPS] group index
@@ -120,23 +126,22 @@ def _int4_gemv_kernel(
         w_mask = n_mask[:, None, None] & g_mask[None, :, None]
         packed = tl.load(qweight_ptr + cols[:, None, None] * stride_qn + j[None, :, :], mask=w_mask, other=0)
         packed = packed.to(tl.int32)  # [BLOCK_N, N_GROUPS, HALF_G]
-        q_even = _code_to_float(packed & 0xF)  # q[n, 2j]
-        q_odd16 = _code_to_float(packed & 0xF0)  # 16 * q[n, 2j + 1]
         s_mask = n_mask[:, None] & g_mask[None, :]
         scale = tl.load(scales_ptr + cols[:, None] * stride_sn + g[None, :], mask=s_mask, other=0.0)
         w_min = tl.load(mins_ptr + cols[:, None] * stride_mn + g[None, :], mask=s_mask, other=0.0)
-        scale = scale.to(tl.float32)  # [BLOCK_N, N_GROUPS]
-        w_min = w_min.to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            x_mask = g_mask[:, None] & (r < M)
-            x_even = tl.load(x_ptr + r * stride_xm + 2 * j, mask=x_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + r * stride_xm + 2 * j + 1, mask=x_mask, other=0.0).to(tl.float32)
-            qx = tl.sum(q_even * x_even[None, :, :] + q_odd16 * (x_odd * 0.0625)[None, :, :], axis=2)
-            x_sum = tl.sum(x_even + x_odd, axis=1)  # [N_GROUPS]
-            part = tl.sum(qx * scale + w_min * x_sum[None, :], axis=1)  # [BLOCK_N]
-            acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
+        scale = scale.to(tl.float32)[:, :, None]  # [BLOCK_N, N_GROUPS, 1]
+        w_min = w_min.to(tl.float32)[:, :, None]
+        w_even = _code_to_float(packed & 0xF) * scale + w_min  # W[n, 2j]
+        w_odd = _code_to_float(packed >> 4) * scale + w_min  # W[n, 2j + 1]
+        # x[2j] and x[2j + 1] in one contiguous (vectorizable) load, split in registers
+        x_mask = m_mask[:, None, None, None] & g_mask[None, :, None, None]
+        x_pair = tl.load(x_ptr + rows[:, None, None, None] * stride_xm + 2 * j[None, :, :, None]
+                         + pair[None, None, None, :], mask=x_mask, other=0.0)  # [BLOCK_M, N_GROUPS, HALF_G, 2]
+        x_even, x_odd = tl.split(x_pair.to(tl.float32))
+        acc += w_even[None, :, :, :] * x_even[:, None, :, :] + w_odd[None, :, :, :] * x_odd[:, None, :, :]
+    y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -180,25 +185,46 @@ def _validate(x, qweight, scales, mins, group_size):
         _fail("tensors", f"must share one device, got {sorted(map(str, devices))}")
 
 
-GEMV_MAX_M = 16  # M up to this takes the CUDA-core GEMV path; larger M the tl.dot path
+GEMV_MAX_M = 0  # M up to this takes the CUDA-core GEMV path by default (see _blocks: it measured slower)
 TARGET_PROGRAMS = 1024  # split K until about this many programs (132 SMs, several programs each)
 
 
-def _blocks(m: int) -> tuple[int, int, int, int]:
-    """tl.dot path (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (bf16 x)."""
+def _blocks(m: int, n: int) -> tuple[int, int, int, int, int | None]:
+    """tl.dot path (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, split_k or None for auto), from an H200 run.
+
+    Timed from CUDA graphs with L2 flushed, bf16 x, G = 128 (us; GEMV path = ``path="gemv"``):
+
+    ========================  =====  ===============  ====================  ====  ========
+    N x K, M                  bf16   16x64x256 w8      16x32x128 w4 split-K  GEMV  64x64x128
+    ========================  =====  ===============  ====================  ====  ========
+    4096 x 4096, M=1          16.8   31.0             17.5                  24.3
+    14336 x 4096, M=1         38.0   46.3             49.7                  64.8
+    4096 x 14336, M=1         39.8   103.9            47.5                  64.0
+    128256 x 4096, M=1        257    314              334                   446
+    14336 x 4096, M=8         38.1   57.3             76.0                  119
+    4096 x 14336, M=8         40.0   142              66.8                  126
+    14336 x 4096, M=64        39.6   269 (16x128)                                 151
+    128256 x 4096, M=64       289    2014 (16x128)                                1226
+    ========================  =====  ===============  ====================  ====  ========
+    """
     if m <= 16:
-        return 16, 64, 256, 4
+        if n >= 8192:  # enough column tiles to fill the GPU without splitting K
+            return 16, 64, 256, 8, 1
+        return 16, 32, 128, 4, None
     if m <= 32:
-        return 32, 64, 256, 4
-    if m <= 64:
-        return 64, 64, 256, 4
-    return 128, 128, 128, 8
+        return 32, 64, 128, 4, None
+    return 64, 64, 128, 8, None
 
 
 def _gemv_blocks(m: int, k: int, group_size: int) -> tuple[int, int, int]:
-    """GEMV path (BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (bf16 x)."""
-    block_k = 256 if m <= 4 else 128
-    return (32 if m <= 4 else 16), max(block_k, group_size), 4
+    """GEMV path (BLOCK_N, BLOCK_K, num_warps): about 8 to 32 bytes of weights and 64 accumulators a thread."""
+    if m <= 2:
+        return 32, 256, 4
+    if m <= 4:
+        return 16, 256, 4
+    if m <= 8:
+        return 16, 128, 4
+    return 8, 128, 4
 
 
 def _n_splits(k: int, block_k: int, tiles: int, target: int) -> tuple[int, int]:
@@ -230,8 +256,10 @@ def _int4_linear(x, qweight, scales, mins, group_size, block_m=None, block_n=Non
         auto_n, auto_k, auto_warps = _gemv_blocks(m, k, group_size)
         block_m = triton.next_power_of_2(m)
     elif path == "dot":
-        auto_m, auto_n, auto_k, auto_warps = _blocks(m)
+        auto_m, auto_n, auto_k, auto_warps, auto_split = _blocks(m, n)
         block_m = block_m or auto_m
+        if split_k is None and block_n is None and block_k is None:
+            split_k = auto_split
     else:
         _fail("path", f"must be 'gemv' or 'dot', got {path!r}")
     block_n, block_k, num_warps = block_n or auto_n, block_k or auto_k, num_warps or auto_warps
