@@ -90,8 +90,8 @@ def cmd_faults(args) -> int:
 
 
 def _load_classes(args, scenario, all_classes: bool) -> list[str]:
-    from .faults.catalog import FAULTS, get_fault
-    from .scenario import fault_classes
+    from .faults.catalog import get_fault
+    from .scenario import available_faults, fault_classes
 
     if args.faults:
         names = [n.strip() for n in args.faults.split(",") if n.strip()]
@@ -99,7 +99,7 @@ def _load_classes(args, scenario, all_classes: bool) -> list[str]:
             get_fault(n)  # unknown -> UnknownFault (exit 2)
         return names
     if all_classes:
-        return [n for n, cls in FAULTS.items() if cls.requires is None]
+        return available_faults(scenario.engine)  # phase_split-only classes when the engine splits
     return fault_classes(scenario)
 
 

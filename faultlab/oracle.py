@@ -10,6 +10,8 @@ The oracle shadows three things, each from the engine's observable actions:
 A request becomes a **victim** at the first forward that would read, for any live position, a page
 other than the one it was granted (``mapping``), a page the allocator has moved since the grant
 (``revoked``: freed or handed out again), or a slot whose content is not its own (``foreign_data``).
+In phase-split mode a request is also a victim when its prefill->decode transfer lands while a target
+page is no longer its own (``transfer_revoked``); the landing's writes are ``on_write`` events like any.
 """
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -85,6 +87,22 @@ class Oracle:
         for request, row, n in self._pending:
             self._judge(request, row, n, step)
         self._pending = []
+
+    def on_transfer_land(self, request, first: int, pages: list[int], step: int, **_) -> None:
+        """A prefill->decode transfer is landing (its writes follow as ``on_write``).
+
+        Its request is a victim if a target is no longer the page it was granted, unmoved since: its KV
+        cannot land where it belongs, whether the transfer then writes someone else's page or is dropped.
+        """
+        if request.rid in self.report.victims:
+            return
+        grants = self.granted[request.rid]
+        for j, page in enumerate(pages):
+            grant = grants.get(first + j)
+            if grant is None or grant[0] != page or self.moves[page] != grant[1]:
+                self.report.victims[request.rid] = step
+                self.report.reasons[request.rid] = "transfer_revoked"
+                return
 
     def on_token(self, request, token: int, step: int) -> None:
         if request.rid in self.report.victims:

@@ -121,6 +121,14 @@ def _check_faults(spec: FaultSpec) -> None:
         raise ScenarioError("[faults].seeds and [faults].count must be >= 1")
 
 
+def _check_requires(spec: FaultSpec, engine: EngineConfig) -> None:
+    """A fault class that needs an engine feature (``requires``) the scenario's engine lacks."""
+    missing = [c for c in spec.classes if c in FAULTS and not fault_available(FAULTS[c], engine)]
+    if missing:
+        need = sorted({FAULTS[c].requires for c in missing})
+        raise ScenarioError(f"[faults].classes {missing} need [engine] {', '.join(f'{n} = true' for n in need)}")
+
+
 def _check_workload(w: WorkloadSpec) -> None:
     if w.requests < 1 or w.concurrency < 1 or w.prompt_len[0] < 1 or w.output_len[0] < 1:
         raise ScenarioError("[workload]: requests, concurrency, prompt_len and output_len must be >= 1")
@@ -137,6 +145,7 @@ def parse(data: dict, path: str = "<memory>") -> Scenario:
         raise ScenarioError(f"{path}: 'name' (a non-empty string) is required")
     parts = {k: _section(k, cls, data.get(k, {})) for k, cls in SECTIONS.items()}
     _check_faults(parts["faults"])
+    _check_requires(parts["faults"], parts["engine"])
     _check_workload(parts["workload"])
     return Scenario(name=data["name"], description=str(data.get("description", "")), path=path, **parts)
 
@@ -153,8 +162,18 @@ def load(path: str | Path) -> Scenario:
     return parse(data, str(path))
 
 
+def fault_available(cls, engine: EngineConfig) -> bool:
+    """Can ``engine`` host the fault class? ``requires`` names an EngineConfig flag (e.g. phase_split)."""
+    return cls.requires is None or bool(getattr(engine, cls.requires, False))
+
+
+def available_faults(engine: EngineConfig) -> list[str]:
+    """Every registered fault the engine can host, in catalog order."""
+    return [n for n, cls in FAULTS.items() if fault_available(cls, engine)]
+
+
 def fault_classes(scenario: Scenario) -> list[str]:
     """The fault names a scenario asks for (``["all"]`` = every available one)."""
     if list(scenario.faults.classes) == ["all"]:
-        return [n for n, cls in FAULTS.items() if cls.requires is None]
+        return available_faults(scenario.engine)
     return list(scenario.faults.classes)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from .metrics import metrics_for
 from .settings import TrackerConfig
+from . import transfer
 from .tags import UNSET, TagTable
 from .violations import KVGuardViolation, Violation, log_violation
 
@@ -71,6 +72,15 @@ class NoopTracker:
                 request_ids: list[str]) -> list[KVGuardViolation]:
         """Turn a host verdict into one violation per flagged request (none for the no-op)."""
         return []
+
+    # -- KV transfers (phase split; see kvguard/transfer.py) ----------------------------------------
+    def transfer_issue(self, pages: torch.Tensor, *, row: int = -1, first: int = 0):
+        """A transfer into ``pages`` was issued: the ticket to land it with (None: unguarded)."""
+        return None
+
+    def transfer_land(self, tickets) -> torch.Tensor | None:
+        """Transfers are landing: bool [n] device verdict, True = commit (None: all land, unguarded)."""
+        return None
 
 
 class TagTracker(NoopTracker):
@@ -188,6 +198,26 @@ class TagTracker(NoopTracker):
             if self.config.log_violations:
                 log_violation(err.violation)
         return found
+
+    def transfer_issue(self, pages: torch.Tensor, *, row: int = -1, first: int = 0):
+        self._require_attached()
+        return transfer.issue(self.tags, pages, row=row, first=first)
+
+    def transfer_land(self, tickets) -> torch.Tensor:
+        self._require_attached()
+        self.metrics.checks.inc()
+        return transfer.land(self.tags, tickets)
+
+    def transfer_violation(self, ticket, request_id: str) -> KVGuardViolation:
+        """Slow path, only for a discarded transfer: the violation that aborts its request."""
+        i, page, want, now, bad = transfer.first_bad(self.tags, ticket) or (0, -1, -1, -1, 0)
+        err = KVGuardViolation(Violation(
+            request_id=request_id, row=ticket.row, logical_position=(ticket.first + i) * self.page_size,
+            page=page, expected_tag=want, found_tag=now, reason="transfer_target_changed", bad_entries=bad))
+        self.metrics.violations.labels(reason="transfer_target_changed").inc()
+        if self.config.log_violations:
+            log_violation(err.violation)
+        return err
 
     def note_aborted(self, count: int = 1) -> None:
         """The engine aborted ``count`` requests on our verdict."""

@@ -55,6 +55,11 @@ class EngineConfig:
     batch_invariant: bool = True  # decode row by row, so outputs never depend on batch composition
     device: str = "cpu"
     seed: int = 0
+    # -- phase split (faultlab/engine/phase_split.py): prefill on its own pool, KV transferred to decode
+    phase_split: bool = False
+    prefill_kv_dtype: str = "bf16"  # the prefill pool; the decode pool is kv_dtype
+    prefill_weight_dtype: str = ""  # "" = weight_dtype
+    transfer_lag: int = 1  # a transfer issued at step s lands at step s + transfer_lag
 
     def __post_init__(self):
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
@@ -66,6 +71,10 @@ class EngineConfig:
             raise ConfigError("engine.max_running must be >= 1 and engine.max_context >= 2")
         if self.num_pages < 0 or self.kv_budget_mb <= 0:
             raise ConfigError("engine.num_pages must be >= 0 and engine.kv_budget_mb > 0")
+        _choice("prefill_kv_dtype", self.prefill_kv_dtype, KV_DTYPES)
+        _choice("prefill_weight_dtype", self.prefill_weight_dtype, ("", *WEIGHT_DTYPES))
+        if self.transfer_lag < 1:
+            raise ConfigError(f"engine.transfer_lag must be >= 1 (steps in flight), got {self.transfer_lag}")
 
 
 @lru_cache(maxsize=8)
@@ -88,6 +97,15 @@ def load_model(name: str, weight_dtype: str, backend: str, device: str, seed: in
 
 class Engine:
     """Continuous batching over a paged KV cache, with a kvguard tracker (no-op by default)."""
+
+    def __new__(cls, config: EngineConfig = EngineConfig(), *args, **kwargs):
+        # NOTE: `Engine(EngineConfig(phase_split=True))` builds the phase-split engine, so every caller
+        # (chaos runner, demo, CLI) gets it from the config alone, without a factory to switch to.
+        if cls is Engine and config.phase_split:
+            from .phase_split import PhaseSplitEngine
+
+            cls = PhaseSplitEngine
+        return super().__new__(cls)
 
     def __init__(self, config: EngineConfig = EngineConfig(), tracker=None, observers=()):
         self.config = config
@@ -189,13 +207,17 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_running and self.req_pool.can_alloc():
             request = self.waiting[0]
             spare = self.allocator.available() + self.cache.evictable_pages() - self._reserved()
-            if request.pages_needed(self.page_size) > spare:
+            if request.pages_needed(self.page_size) > spare or not self._admissible(request, admitted):
                 break
             self.waiting.pop(0)
             request.status = "running"
             self.running.append(request)
             admitted.append(request)
         return admitted
+
+    def _admissible(self, request: Request, admitted: list[Request]) -> bool:
+        """Hook: may ``request`` be admitted after ``admitted`` (this step's)? Decode pages are checked."""
+        return True
 
     def _alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``n`` pages (evicting cached prefixes if needed) and the tags the tracker gave them."""
@@ -214,7 +236,8 @@ class Engine:
                    shared=shared, step=self.step_id)
 
     # -- prefill -----------------------------------------------------------------------------------
-    def _prefill(self, request: Request, events: list[Event]) -> None:
+    def _place(self, request: Request) -> tuple[int, torch.Tensor]:
+        """A row, the cached prefix and fresh pages for the prompt: (pages in all, the fresh pages)."""
         ps = self.page_size
         request.row = self.req_pool.alloc_row()
         request.nodes = self.cache.match(request.prompt, max_pages=(len(request.prompt) - 1) // ps)
@@ -226,6 +249,11 @@ class Engine:
         if request.n_shared:
             self._grant(request, 0, shared, shared=request.n_shared)  # current tags of cached pages
         self._grant(request, request.n_shared, new, fresh)
+        return n_total, new
+
+    def _prefill(self, request: Request, events: list[Event]) -> None:
+        ps = self.page_size
+        n_total, _ = self._place(request)
         self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
         start = request.n_shared * ps
         positions = torch.arange(start, len(request.prompt))
@@ -267,15 +295,17 @@ class Engine:
         for i, (request, page) in enumerate(zip(growing, pages)):
             self._grant(request, request.n_pages, page.view(1), None if fresh is None else fresh[i:i + 1])
 
-    def _prefill_forward(self, tokens, start: int, page_row, slots) -> torch.Tensor:
+    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None) -> torch.Tensor:
+        """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's)."""
+        model = self.model if model is None else model
+        kv = self.kv if kv is None else kv
         if not self.config.batch_invariant:
-            return self.model.prefill(tokens, start, self.kv, page_row, slots, last_only=True)
+            return model.prefill(tokens, start, kv, page_row, slots, last_only=True)
         # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
         # the prefix came from the prefix cache, and every GEMM has one row: a prompt's logits do not
         # depend on cache hits or on the shape of the prefill.
         for t in range(tokens.numel()):
-            logits = self.model.prefill(tokens[t:t + 1], start + t, self.kv, page_row, slots[t:t + 1],
-                                        last_only=True)
+            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True)
         return logits
 
     def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:

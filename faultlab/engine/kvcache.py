@@ -45,9 +45,15 @@ def fp8_table(scale: float, device) -> torch.Tensor:
     return codes.float() * scale
 
 
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor to index: FP8 caches as their uint8 bytes (index/index_put lack fp8 on some devices)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def dequantize(x: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
-    """Cache contents -> float32; FP8 through `fp8_table(scale)`, i.e. `x.float() * scale`."""
-    if x.dtype != torch.float8_e4m3fn:
+    """Cache contents (FP8 as fp8 or as its uint8 bytes) -> float32; FP8 is `x.float() * scale`
+    through `table = fp8_table(scale)`."""
+    if x.dtype not in (torch.float8_e4m3fn, torch.uint8):
         return x.float()
     # NOTE: looking every byte up in a 256-entry table gives the same bits as `x.float() * scale`
     # (NaN included) and is ~2.5x faster on a CPU than torch's fp8 cast.
@@ -57,8 +63,8 @@ def dequantize(x: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
 def _attend(q, k_cache, v_cache, plan: DecodePlan, k_table, v_table, sm_scale: float) -> torch.Tensor:
     b, h, d = q.shape
     hkv = k_cache.shape[2]
-    k = dequantize(k_cache[plan.pages].flatten(1, 2), k_table).transpose(1, 2)  # [B, Hkv, n, D]
-    v = dequantize(v_cache[plan.pages].flatten(1, 2), v_table).transpose(1, 2)
+    k = dequantize(_raw(k_cache)[plan.pages].flatten(1, 2), k_table).transpose(1, 2)  # [B, Hkv, n, D]
+    v = dequantize(_raw(v_cache)[plan.pages].flatten(1, 2), v_table).transpose(1, 2)
     qh = q.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]: head i uses KV head i // G
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=plan.mask, scale=sm_scale)
     return out.reshape(b, h, d).to(q.dtype)
@@ -78,16 +84,17 @@ def batched_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scal
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as the cache stores it (FP8 as uint8 bytes): `clamp(x / scale)` in e4m3, or a cast."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
     x = x.float() if scale == 1.0 else x.float() / scale  # x / 1.0 == x: skip the division
-    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype).view(torch.uint8)
 
 
 def store_kv_torch(k, v, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0) -> None:
-    """`store_kv_ref`'s bits (clamp(x / scale) to e4m3, or a cast) with one flat index_put per cache."""
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = _quantize(k, k_cache.dtype, k_scale)  # [P * ps, Hkv, D]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = _quantize(v, v_cache.dtype, v_scale)
+    """`store_kv_ref`'s bits with one flat index_put per cache; k, v [T, Hkv, D], slots [T]."""
+    _raw(k_cache).view(-1, *k_cache.shape[2:])[slots] = _quantize(k, k_cache.dtype, k_scale)  # [P * ps, Hkv, D]
+    _raw(v_cache).view(-1, *v_cache.shape[2:])[slots] = _quantize(v, v_cache.dtype, v_scale)
 
 
 def _check_choice(what: str, value, valid) -> None:
@@ -142,7 +149,7 @@ class PagedKVCache:
         outside = [0, *range(self.num_pages + 1, self.num_pages + 1 + self.guard_pages)]
         for cache in (*self.k, *self.v):
             noise = torch.randn((len(outside), *cache.shape[1:]), generator=gen, device=self.device) * 4.0
-            cache[outside] = noise.to(self.torch_dtype)
+            _raw(cache)[outside] = _quantize(noise, cache.dtype, 1.0)
 
     @property
     def max_tokens(self) -> int:
@@ -194,8 +201,8 @@ class PagedKVCache:
     def gather(self, layer: int, page_row: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n_tokens` of one page row, dequantized: (k, v) float32 [n_tokens, Hkv, D]."""
         pages = page_row[:-(-n_tokens // self.page_size)].long()
-        k = dequantize(self.k[layer][pages].flatten(0, 1)[:n_tokens], self._k_tables[layer])
-        v = dequantize(self.v[layer][pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
+        k = dequantize(_raw(self.k[layer])[pages].flatten(0, 1)[:n_tokens], self._k_tables[layer])
+        v = dequantize(_raw(self.v[layer])[pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
         return k, v
 
 

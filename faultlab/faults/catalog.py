@@ -327,7 +327,34 @@ class TransferIntoReallocated(Fault):
     requires = "phase_split"
 
     def apply(self, engine, rng, ctx):
-        return None
+        """Release an in-flight transfer's target pages without cancelling it; this step's growth takes them.
+
+        The bug: an abort/retract path frees the receiving request's decode pages and forgets its
+        transfer. The free list is LIFO, so the decode growth of this very step hands the pages to a
+        request that writes its next token there; the stale transfer lands at the start of a later step,
+        over that token, before the new owner reads it.
+        """
+        in_flight = getattr(engine, "in_flight", None)
+        if ctx.kind != "transfer" or not in_flight:
+            return None
+        receivers = [t for t in in_flight.values()
+                     if t.land_step > engine.step_id and t.request.status == "running"]
+        takers = _growing_now(engine)
+        if not receivers or not takers:
+            return None  # no transfer with a step to go, or no growth to take the pages: retry later
+        transfer = rng.choice(receivers)
+        engine.allocator.free(transfer.pages)
+        return {"request": transfer.request.rid, "pages": transfer.pages.tolist(), "lands": transfer.land_step,
+                "takers": [r.rid for r in takers]}
+
+
+def _growing_now(engine) -> list:
+    """Requests whose decode this step starts a new page (so `_grow` allocates for them) and that still
+    decode after this step (so they read that page again)."""
+    in_flight, ps = engine.in_flight, engine.page_size
+    return [r for r in engine.running if r.status == "running" and r.row is not None
+            and (r.rid not in in_flight or in_flight[r.rid].land_step <= engine.step_id)
+            and r.kv_len // ps >= r.n_pages and len(r.output) + 1 < r.max_new_tokens]
 
 
 def catalog() -> list[dict]:
