@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", default="int4", choices=("int4", "bf16", "fp32"))
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--page-size", type=int, default=16)
+    bench = sub.add_parser("bench", help="GPU benchmarks (H200): tracker overhead and the write-up's claims",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     ev = sub.add_parser("eval-kv", help="FP8 vs BF16 KV: top-1 agreement and KL on real text")
     ev.add_argument("--model", default="smollm2")
     ev.add_argument("--positions", type=int, default=2000)
@@ -62,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own argument parser (faultlab/gpubench.py)
+        from .gpubench import main as bench_main
+
+        bench_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     from .scenario import ScenarioError
     from .faults.catalog import UnknownFault
