@@ -117,8 +117,7 @@ class Engine:
         num_pages = config.num_pages or PagedKVCache.pages_for_budget(
             int(config.kv_budget_mb * 2**20), mc.n_layers, config.page_size, mc.n_kv_heads, mc.head_dim,
             config.kv_dtype)
-        self.kv = PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
-                               dtype=config.kv_dtype, device=config.device, backend=config.backend)
+        self.kv = self._build_kv(num_pages)
         self.tracker = tracker if tracker is not None else NoopTracker()
         self.observers = list(observers)
         self.allocator, self.req_pool = self._build_memory(num_pages)
@@ -130,6 +129,16 @@ class Engine:
         self.done: list[Request] = []
         self.step_id = 0
         self._emit("on_engine", engine=self)
+
+    def _build_kv(self, num_pages: int) -> PagedKVCache:
+        """The decode KV cache; memory="sglang" backs it with an MHATokenToKVPool's buffers."""
+        mc, config = self.model.config, self.config
+        if config.memory == "sglang":
+            from .sglang_memory import build_sglang_kv
+
+            return build_sglang_kv(self, num_pages)
+        return PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
+                            dtype=config.kv_dtype, device=config.device, backend=config.backend)
 
     def _build_memory(self, num_pages: int):
         listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]

@@ -119,7 +119,8 @@ class PagedKVCache:
 
     def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
                  dtype: str = "bf16", device="cpu", backend: str = "torch", guard_pages: int = 4,
-                 k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0):
+                 k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0,
+                 buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
         _check_choice("kv dtype", dtype, KV_DTYPES)
         _check_choice("backend", backend, BACKENDS)
         if num_pages < 1 or page_size < 1 or guard_pages < 0:
@@ -136,8 +137,10 @@ class PagedKVCache:
         self.k_scale = _per_layer(k_scale, n_layers, "k_scale")
         self.v_scale = _per_layer(v_scale, n_layers, "v_scale")
         shape = (num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
+        if buffers is None:
+            buffers = ([torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)],
+                       [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)])
+        self.k, self.v = _checked_buffers(buffers, n_layers, shape, self.torch_dtype)
         self._fill_garbage()
         fp8 = dtype == "fp8"
         self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
@@ -150,6 +153,20 @@ class PagedKVCache:
         for cache in (*self.k, *self.v):
             noise = torch.randn((len(outside), *cache.shape[1:]), generator=gen, device=self.device) * 4.0
             _raw(cache)[outside] = _quantize(noise, cache.dtype, 1.0)
+
+    @classmethod
+    def over_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], dtype: str, *, backend: str = "torch",
+                     guard_pages: int = 4, k_scale: float | Sequence[float] = 1.0,
+                     v_scale: float | Sequence[float] = 1.0) -> "PagedKVCache":
+        """A cache over existing per-layer K/V tensors (no copy), e.g. views of SGLang's MHATokenToKVPool.
+
+        Each tensor is `[num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]` of the dtype's
+        torch type; page 0 and the guard pages are overwritten with the usual seeded garbage.
+        """
+        pages, page_size, n_kv_heads, head_dim = k[0].shape
+        return cls(len(k), pages - 1 - guard_pages, page_size, n_kv_heads, head_dim, dtype=dtype,
+                   device=k[0].device, backend=backend, guard_pages=guard_pages, k_scale=k_scale,
+                   v_scale=v_scale, buffers=(list(k), list(v)))
 
     @property
     def max_tokens(self) -> int:
@@ -204,6 +221,18 @@ class PagedKVCache:
         k = dequantize(_raw(self.k[layer])[pages].flatten(0, 1)[:n_tokens], self._k_tables[layer])
         v = dequantize(_raw(self.v[layer])[pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
         return k, v
+
+
+def _checked_buffers(buffers, n_layers: int, shape: tuple, dtype: torch.dtype):
+    """(k, v) per-layer lists, each tensor of ``shape`` and ``dtype``; ValueError naming the bad one."""
+    k, v = (list(b) for b in buffers)
+    for name, layers in (("k", k), ("v", v)):
+        if len(layers) != n_layers:
+            raise ValueError(f"buffers: {len(layers)} {name} tensors for {n_layers} layers")
+        for i, t in enumerate(layers):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"buffers: {name}[{i}] is {tuple(t.shape)} {t.dtype}, need {shape} {dtype}")
+    return k, v
 
 
 def token_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
