@@ -109,8 +109,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig = EngineConfig(), tracker=None, observers=()):
         self.config = config
-        self.model, self.tokenizer = load_model(config.model, config.weight_dtype, config.backend,
-                                                config.device, config.seed)
+        self.model, self.tokenizer = self._load_model()
         mc = self.model.config
         self.page_size = config.page_size
         self.max_pages = -(-min(config.max_context, mc.max_context) // config.page_size)
@@ -129,6 +128,11 @@ class Engine:
         self.done: list[Request] = []
         self.step_id = 0
         self._emit("on_engine", engine=self)
+
+    def _load_model(self):
+        """(model, tokenizer) of this engine; a subclass may build another model (a TP shard: engine/tp.py)."""
+        c = self.config
+        return load_model(c.model, c.weight_dtype, c.backend, c.device, c.seed)
 
     def _build_kv(self, num_pages: int) -> PagedKVCache:
         """The decode KV cache; memory="sglang" backs it with an MHATokenToKVPool's buffers."""

@@ -348,6 +348,29 @@ class TransferIntoReallocated(Fault):
                 "takers": [r.rid for r in takers]}
 
 
+@register
+class RankDivergentEntry(Fault):
+    name = "rank_divergent_entry"
+    where = "page table of one tensor-parallel rank"
+    corrupts = "one rank's copy of a page-table entry names another page; the other ranks' copies stay right"
+    why = ("that rank's shard check fails; the verdict all-reduce (MAX) makes every rank abort the "
+           "request, so the ranks keep running the same batches")
+    requires = "tp"
+
+    def apply(self, engine, rng, ctx):
+        """Every rank draws the same choices (same seed); only the chosen rank writes the entry."""
+        picked = _pick_entry(engine, rng, ctx.requests)
+        if picked is None:
+            return None
+        request, j = picked
+        target = rng.randrange(getattr(engine, "tp_world", 1))
+        old = int(engine.table[request.row, j])
+        page = 1 + (old - 1 + rng.randrange(1, engine.num_pages)) % engine.num_pages  # any other pool page
+        if getattr(engine, "tp_rank", 0) == target:
+            engine.table[request.row, j] = page
+        return {"rank": target, "request": request.rid, "logical_page": j, "old_page": old, "new_page": page}
+
+
 def _growing_now(engine) -> list:
     """Requests whose decode this step starts a new page (so `_grow` allocates for them) and that still
     decode after this step (so they read that page again)."""
