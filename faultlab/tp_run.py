@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -286,6 +286,7 @@ def spec_from_args(args) -> RunSpec:
 def main(argv=None) -> int:
     args = parse_args(argv)
     spec = spec_from_args(args)
+    torch.set_num_threads(1)  # the single-process reference runs beside the ranks (tiny shapes)
     if "LOCAL_RANK" in os.environ:  # launched by torchrun: this process is one rank
         return _torchrun_rank(spec, args)
     started = time.perf_counter()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .config import ModelConfig, get_preset
 from .engine import ConfigError, Engine, EngineConfig
 from .model import LlamaModel
-from .weights import Int4Weight, LayerWeights, Linear, ModelWeights, concat_rows, random_weights
+from .weights import Int4Weight, LayerWeights, Linear, ModelWeights, random_weights
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off in every process that imports us
 

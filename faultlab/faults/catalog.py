@@ -360,7 +360,7 @@ class RankDivergentEntry(Fault):
     def apply(self, engine, rng, ctx):
         """Every rank draws the same choices (same seed); only the chosen rank writes the entry."""
         picked = _pick_entry(engine, rng, ctx.requests)
-        if picked is None:
+        if picked is None or engine.num_pages < 2:
             return None
         request, j = picked
         target = rng.randrange(getattr(engine, "tp_world", 1))
