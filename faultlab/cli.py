@@ -26,6 +26,7 @@ def _add_run_args(p):
     p.add_argument("--json", dest="json_out", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here (default: next to --json)")
     p.add_argument("--seeds", type=int, help="override [faults].seeds")
+    p.add_argument("--first-seed", type=int, help="override [faults].first_seed")
     p.add_argument("--tracker", choices=("on", "off", "both"), default="both")
     p.add_argument("--faults", help="comma-separated fault classes (override the scenario)")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
@@ -181,6 +182,10 @@ def cmd_run(args, all_classes: bool = False) -> int:
     from .scenario import load
 
     scenario = load(args.scenario)
+    if args.first_seed is not None:
+        from dataclasses import replace
+
+        scenario = replace(scenario, faults=replace(scenario.faults, first_seed=args.first_seed))
     classes = _load_classes(args, scenario, all_classes)
     if not classes:
         raise UsageError(f"{args.scenario}: [faults].classes is empty; use `faultlab soak` for fault-free runs")
