@@ -7,6 +7,7 @@ what differs between the two runs (same INT4 weights, same activations).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -66,12 +67,15 @@ def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk
     return torch.cat(out)
 
 
-def _compare(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[int, float, float]:
-    """(top-1 matches, sum of KL(ref || test) in nats, max KL) over the rows."""
+def _compare(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Sums over the rows [T, V]: top-1 matches, KL(ref || test) in nats (and its max), and the
+    negative log-likelihoods of targets [T - 1] (the next tokens of rows 0..T-2) under each."""
     ref_lp, test_lp = ref_logits.double().log_softmax(-1), test_logits.double().log_softmax(-1)
     kl = (ref_lp.exp() * (ref_lp - test_lp)).sum(-1).clamp_min(0.0)  # [T]
-    agree = int((ref_logits.argmax(-1) == test_logits.argmax(-1)).sum())
-    return agree, float(kl.sum()), float(kl.max())
+    rows = torch.arange(targets.numel())
+    return {"agree": int((ref_logits.argmax(-1) == test_logits.argmax(-1)).sum()), "kl": float(kl.sum()),
+            "max_kl": float(kl.max()), "nll_ref": -float(ref_lp[rows, targets].sum()),
+            "nll_test": -float(test_lp[rows, targets].sum()), "n_nll": targets.numel()}
 
 
 def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]:
@@ -89,7 +93,8 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
             backend: str = "torch", device: str = "cpu") -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
-    Returns {"positions", "top1_agreement", "mean_kl", "max_kl"}; KL(p_ref || p_test) in nats.
+    Returns {"positions", "top1_agreement", "mean_kl", "max_kl", "ppl_ref", "ppl_test"}: KL(p_ref || p_test)
+    in nats per position, and the perplexity of the text under each cache (for scale).
     """
     if n_positions < 1 or chunk < 1 or window <= chunk:
         raise ValueError(f"need n_positions >= 1 and window > chunk >= 1; got {n_positions}, {window}, {chunk}")
@@ -97,17 +102,19 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
     model = LlamaModel(config, weights, backend=backend, act_dtype=torch.float32)
     spans = _windows(n_positions, window, chunk)
     text = torch.tensor(english_tokens(sum(n for _, n in spans), model_name), device=device)
-    agree, kl_sum, kl_max = 0, 0.0, 0.0
+    totals: dict = {}
     for start, length in spans:
         tokens = text[start:start + length]
         # NOTE: the first chunk of a window attends to its own fresh K/V only, identical for both
         # caches, so it is left out of the counts (it would inflate the agreement).
         ref = _window_logits(model, tokens, ref_kv, chunk, page_size)[chunk:]
         test = _window_logits(model, tokens, test_kv, chunk, page_size)[chunk:]
-        a, s, m = _compare(ref, test)
-        agree, kl_sum, kl_max = agree + a, kl_sum + s, max(kl_max, m)
-    return {"positions": n_positions, "top1_agreement": agree / n_positions, "mean_kl": kl_sum / n_positions,
-            "max_kl": kl_max}
+        for key, value in _compare(ref, test, tokens[chunk + 1:]).items():
+            totals[key] = max(totals.get(key, 0.0), value) if key == "max_kl" else totals.get(key, 0) + value
+    return {"positions": n_positions, "top1_agreement": totals["agree"] / n_positions,
+            "mean_kl": totals["kl"] / n_positions, "max_kl": totals["max_kl"],
+            "ppl_ref": math.exp(totals["nll_ref"] / totals["n_nll"]),
+            "ppl_test": math.exp(totals["nll_test"] / totals["n_nll"])}
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from faultlab.engine.config import get_preset  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.engine.model import LlamaModel  # noqa: E402
-from faultlab.engine.weights import Int4Weight, random_weights  # noqa: E402
+from faultlab.engine.weights import random_weights  # noqa: E402
 from kvguard.kernels.testing import assert_close  # noqa: E402
 
 PAGE = 4  # small pages, so short sequences cross page boundaries
@@ -81,7 +81,7 @@ def test_backends_agree_on_tiny_model():
             p = torch.tensor([pos])
             logits.append(model.decode(nxt, p, kv, row[None], _slots(row, p)))
         out[name] = torch.cat(logits)
-    assert_close(out["triton"], out["torch"], 1e-2, "triton vs torch backend (tiny, int4, fp8 KV)")
+    assert_close(out["triton"], out["torch"], 1e-3, "triton vs torch backend (tiny, int4, fp8 KV)")
 
 
 def test_random_weights_scale_and_seed():

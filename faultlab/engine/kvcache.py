@@ -10,9 +10,7 @@ import torch.nn.functional as F
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
-
-
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def _kernel(module: str, name: str):
