@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from faultlab.engine.engine import Engine, EngineConfig, load_model  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.scenario import Scenario, WorkloadSpec  # noqa: E402
+from faultlab.chaos import _drive  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,6 @@ def make_arrivals(spec: RunSpec, seed: int):
 
     scenario = Scenario(name="tp", workload=spec.workload, engine=spec.engine)
     return make_workload(scenario, seed, get_preset(spec.engine.model).vocab)
-
-
-def _drive(engine, arrivals, max_steps: int = 10_000) -> None:
-    pending = sorted(arrivals, key=lambda a: a[0])
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[1])
-        engine.step()
-        step += 1
-        if step > max_steps:
-            raise RuntimeError(f"run did not finish in {max_steps} steps")
 
 
 def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
