@@ -109,6 +109,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig = EngineConfig(), tracker=None, observers=()):
         self.config = config
+        self.device = torch.device(config.device)
         self.model, self.tokenizer = self._load_model()
         mc = self.model.config
         self.page_size = config.page_size
@@ -269,13 +270,13 @@ class Engine:
         n_total, _ = self._place(request)
         self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
         start = request.n_shared * ps
-        positions = torch.arange(start, len(request.prompt))
-        rows = torch.tensor([request.row], dtype=torch.int32)
+        positions = torch.arange(start, len(request.prompt), device=self.device)
+        rows = torch.tensor([request.row], dtype=torch.int32, device=self.device)
         block = self.table[request.row:request.row + 1, :n_total].clone()  # kernel-visible row
         check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
         slots = self._write_slots(block, torch.zeros_like(positions), positions)
         slots = self._emit_writes([request] * len(positions), positions, slots)
-        logits = self._prefill_forward(torch.tensor(request.prompt[start:]), start, block[0], slots)
+        logits = self._prefill_forward(torch.tensor(request.prompt[start:], device=self.device), start, block[0], slots)
         self._finish_step([request], logits, check, events)
 
     # -- decode ------------------------------------------------------------------------------------
@@ -287,15 +288,15 @@ class Engine:
         batch = [r for r in batch if r.status == "running"]
         if not batch:
             return
-        positions = torch.tensor([r.kv_len for r in batch])  # position of the token fed now
+        positions = torch.tensor([r.kv_len for r in batch], device=self.device)  # position of the token fed now
         n_entries = [r.n_pages for r in batch]
         width = max(n_entries)
-        rows = torch.tensor([r.row for r in batch], dtype=torch.int32)
+        rows = torch.tensor([r.row for r in batch], dtype=torch.int32, device=self.device)
         block = self.table[rows.long(), :width]  # gather: the kernel-visible table
         check = self._validate(block, rows, n_entries, batch, positions_read=(positions + 1).tolist())
-        slots = self._write_slots(block, torch.arange(len(batch)), positions)
+        slots = self._write_slots(block, torch.arange(len(batch), device=self.device), positions)
         slots = self._emit_writes(batch, positions, slots)
-        tokens = torch.tensor([r.tokens[-1] for r in batch])
+        tokens = torch.tensor([r.tokens[-1] for r in batch], device=self.device)
         logits = self._decode_forward(tokens, positions, block, slots)
         self._finish_step(batch, logits, check, events)
 
@@ -332,7 +333,7 @@ class Engine:
     # -- shared step pieces ------------------------------------------------------------------------
     def _validate(self, block, rows, n_entries, batch, positions_read):
         self._emit("before_read", engine=self, step=self.step_id, requests=batch, lengths=positions_read)
-        return self.tracker.validate(block, rows, torch.tensor(n_entries, dtype=torch.int32),
+        return self.tracker.validate(block, rows, torch.tensor(n_entries, dtype=torch.int32, device=self.device),
                                      max_entries=block.shape[1], source=self.table, source_rows=rows,
                                      entries_hint=sum(n_entries))
 

@@ -42,7 +42,7 @@ class PageAllocator:
 
     def free(self, pages: torch.Tensor) -> None:
         """Return pages (prepended: the next allocation reuses them first)."""
-        pages = torch.as_tensor(pages, dtype=torch.int64).flatten()
+        pages = torch.as_tensor(pages, dtype=torch.int64).flatten().cpu()  # the free list lives on the host
         if pages.numel() == 0:
             return
         self.free_pages = torch.cat([pages, self.free_pages])
