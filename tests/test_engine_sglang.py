@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvguard.sglang.testing  # noqa: F401  (drops the repo root from sys.path before sglang is imported)
 from faultlab.chaos import run_case
 from faultlab.engine.engine import Engine, EngineConfig
 from faultlab.engine.requests import Request

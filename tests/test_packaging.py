@@ -1,4 +1,4 @@
-"""Packaging boundaries: ``kernels/`` ships only as ``kvguard.kernels``; kvguard never pulls in faultlab.
+"""Packaging boundaries: the kernels ship only as ``kvguard.kernels`` (no top-level ``kernels``); kvguard never pulls in faultlab.
 
 Imports are checked in fresh subprocesses run from the repository root (so the root is on ``sys.path``
 the way it is for anyone running ``python`` there); source-level rules are checked with ``ast``.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-KERNELS = REPO / "kernels"
+KERNELS = REPO / "kvguard" / "kernels"
 FORBIDDEN_IN_KVGUARD = ("faultlab", "sglang")
 
 

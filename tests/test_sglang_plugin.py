@@ -1,8 +1,8 @@
 """kvguard's SGLang plugin: loaded by SGLang's own loader, off = untouched, install on the real pools.
 
 SGLang's own ``load_plugins()`` runs in this process, first with KVGUARD_MODE=off, then with =check
-(fixture ``sglang_loader``); the entry point is declared by a real ``*.dist-info`` on sys.path, which is
-exactly what ``pip install`` of kvguard writes once pyproject declares it. Every other sglang test then
+(fixture ``sglang_loader``); the entry point is kvguard's installed metadata (pyproject's
+``sglang.srt.plugins`` group). Every other sglang test then
 runs with the hooks that loader applied.
 """
 import pytest

@@ -24,7 +24,6 @@ GUARD_PAGES = 4  # pages past the allocator's: what out-of-range page ids read w
 
 def _sglang():
     """SGLang's (PagedTokenToKVPoolAllocator, ReqToTokenPool, MHATokenToKVPool)."""
-    import kvguard.sglang.testing  # noqa: F401  (its import drops the repo root from sys.path, see there)
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 

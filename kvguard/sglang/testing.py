@@ -16,25 +16,6 @@ import torch
 _ids = itertools.count(1)
 
 
-def keep_repo_root_off_sys_path() -> None:
-    """Drop this repository's root from sys.path (``python -m pytest`` puts it there).
-
-    NOTE: the root holds our ``kernels/`` folder (shipped as ``kvguard.kernels``). With the root on
-    sys.path, ``importlib.util.find_spec("kernels")`` finds it, so transformers believes the PyPI
-    ``kernels`` package is installed, imports it, and SGLang's import of transformers' AutoProcessor
-    fails. kvguard itself is installed (editable), so it does not need the root on sys.path.
-    """
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    if (root / "kernels" / "tag_check.py").exists():
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
-
-
-keep_repo_root_off_sys_path()
-
-
 def publish_server_args(page_size: int) -> None:
     """SGLang reads its runtime config bags (get_exec(), get_spec() ...) from a published ServerArgs."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -178,29 +159,19 @@ _LOADER_RESULT = None
 if pytest is not None:
 
     @pytest.fixture(scope="session")
-    def sglang_loader(tmp_path_factory):
+    def sglang_loader():
         """Run SGLang's own ``load_plugins()`` twice in this process: KVGUARD_MODE=off, then =check.
 
-        The entry point is declared by a real ``*.dist-info`` on sys.path (what ``pip install`` of
-        kvguard writes once pyproject declares it); SGLang finds it through importlib.metadata.
-        Returns what was observed; afterwards kvguard's hooks are applied for the whole session.
+        The entry point comes from kvguard's installed metadata (pyproject's ``sglang.srt.plugins``
+        group); SGLang finds it through importlib.metadata. Returns what was observed; afterwards
+        kvguard's hooks are applied for the whole session.
         """
         global _LOADER_RESULT
         if _LOADER_RESULT is not None:  # each test module imports this fixture: run the loader once
             return _LOADER_RESULT
-        import importlib
         import os
         import pkgutil
-        import sys
         from importlib.metadata import entry_points
-
-        site = tmp_path_factory.mktemp("site")
-        dist = site / "kvguard_sglang_plugin-0.0.0.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvguard-sglang-plugin\nVersion: 0.0.0\n")
-        (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvguard = kvguard.sglang:register\n")
-        sys.path.insert(0, str(site))
-        importlib.invalidate_caches()
 
         import sglang.srt.managers.schedule_batch as schedule_batch
         import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
