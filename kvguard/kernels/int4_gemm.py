@@ -17,19 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot_f32 as _dot
+
 GROUP_SIZES = (32, 128)
 X_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_K = 256  # K elements (BLOCK_K // 2 bytes) per step
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """``a @ b + acc`` in fp32; UPCAST widens bf16 operands first (exact), for the interpreter."""
-    if UPCAST:  # TRITON_INTERPRET multiplies bf16 operands as raw integers
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        c = tl.dot(a, b, acc, input_precision="ieee")
-    return c
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+from ._common import check_cache_pair
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # cache kinds (constexpr OUT_KIND)
@@ -120,17 +120,9 @@ def _validate(k, v, k_cache, v_cache, slots):
             _fail(name, "must be contiguous along its last dimension")
     if v.shape != k.shape or v.dtype != k.dtype:
         _fail("v", f"must match k ({tuple(k.shape)} {k.dtype}), got {tuple(v.shape)} {v.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.dtype not in CACHE_DTYPES:
-            _fail(name, f"must be a 4-D [P, page_size, Hkv, D] float32/bfloat16/float8_e4m3fn tensor, "
-                        f"got {tuple(c.shape)} {c.dtype}")
-        if c.stride(3) != 1:
-            _fail(name, "must be contiguous along its last dimension")
-        if tuple(c.shape[2:]) != tuple(k.shape[1:]):
-            _fail(name, f"has [Hkv, D] = {list(c.shape[2:])} but k has {list(k.shape[1:])}")
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        _fail("v_cache", f"must match k_cache ({tuple(k_cache.shape)} {k_cache.dtype}), "
-                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
+    check_cache_pair(k_cache, v_cache, _fail)
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        _fail("k_cache", f"has [Hkv, D] = {list(k_cache.shape[2:])} but k has {list(k.shape[1:])}")
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64) or slots.numel() != k.shape[0]:
         _fail("slots", f"must be a 1-D int32/int64 tensor of {k.shape[0]} slots, got "
                        f"{tuple(slots.shape)} {slots.dtype}")

@@ -14,21 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import check_cache_pair
+from ._common import dot_f32 as _dot
+
 Q_DTYPES = (torch.float32, torch.bfloat16)
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 BLOCK_N = 64  # tokens per inner step
 BLOCK_N_FP8 = 128  # tokens per inner step on FP8 caches when the sequence is not split
 MIN_SPLIT_TOKENS = 256  # shortest stretch of sequence worth a program of its own
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """``a @ b (+ acc)`` in fp32; UPCAST widens bf16 operands first (exact), for the interpreter."""
-    if UPCAST:  # TRITON_INTERPRET multiplies bf16 operands as raw integers
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        c = tl.dot(a, b, acc, input_precision="ieee")
-    return c
 
 
 @triton.jit
@@ -156,15 +148,7 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
         _fail("q", f"must be a 3-D [B, H, D] float32/bfloat16 tensor, got {tuple(q.shape)} {q.dtype}")
     if q.stride(2) != 1:
         _fail("q", "must be contiguous along its last dimension")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.dtype not in CACHE_DTYPES:
-            _fail(name, f"must be a 4-D [P, page_size, Hkv, D] float32/bfloat16/float8_e4m3fn tensor, "
-                        f"got {tuple(c.shape)} {c.dtype}")
-        if c.stride(3) != 1:
-            _fail(name, "must be contiguous along its last dimension")
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        _fail("v_cache", f"must match k_cache ({tuple(k_cache.shape)} {k_cache.dtype}), "
-                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
+    check_cache_pair(k_cache, v_cache, _fail)
     n_batch, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
