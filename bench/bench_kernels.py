@@ -30,7 +30,7 @@ import triton.testing
 
 from kvguard.kernels.int4_gemm import int4_linear, int4_linear_ref, quantize_int4
 from kvguard.kernels.kv_store import store_kv, store_kv_ref
-from kvguard.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kvguard.kernels.paged_attention import paged_decode_attention_ref
 from kvguard.kernels.testing import rel_error
 
 FP8 = torch.float8_e4m3fn

@@ -162,7 +162,7 @@ def costs(steps: int, batch_size: int = 32, prompt: int = 1000) -> dict:
     batch = rig.to_decode(*[rig.prefill(prompt + i) for i in range(batch_size)])
     guard = rig.guard
     check_us = _median_us(lambda: guard.resolve(guard.launch(batch)), steps)
-    step_plain, step_checked = [], []
+    step_checked = []
     for i in range(steps):  # one real prepare_for_decode each; the check is inside it
         t0 = time.perf_counter()
         rig.decode(batch)

@@ -79,8 +79,13 @@ def make_workload(scenario: Scenario, seed: int, vocab: int) -> list[tuple[int, 
     return arrivals
 
 
-def _tracker(on: bool, registry: CollectorRegistry):
-    return TagTracker(TrackerConfig(mode="check", log_violations=False), registry) if on else NoopTracker()
+def checking_tracker(log: bool = False) -> TagTracker:
+    """A checking TagTracker with its own Prometheus registry: runs and tests never share counters."""
+    return TagTracker(TrackerConfig(mode="check", log_violations=log), CollectorRegistry())
+
+
+def _tracker(on: bool):
+    return checking_tracker() if on else NoopTracker()
 
 
 def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
@@ -96,7 +101,7 @@ def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
         injector = Injector(fault, trigger or scenario.faults.trigger_for(rng),
                             count or scenario.faults.count, seed)
         observers.insert(0, injector)
-    engine = Engine(engine_cfg, tracker=_tracker(tracker_on, CollectorRegistry()), observers=observers)
+    engine = Engine(engine_cfg, tracker=_tracker(tracker_on), observers=observers)
     arrivals = make_workload(scenario, seed, engine.model.config.vocab)
     requests = [r for _, r in arrivals]
     _drive(engine, arrivals)

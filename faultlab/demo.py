@@ -11,10 +11,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvguard import NoopTracker, TagTracker, TrackerConfig
-from prometheus_client import CollectorRegistry
+from kvguard import NoopTracker
 
-from .chaos import CaseResult, SGLangStyleChecks, _drive, _judge
+from .chaos import CaseResult, SGLangStyleChecks, _drive, _judge, checking_tracker
 from .engine.engine import Engine, EngineConfig
 from .engine.requests import Request
 from .faults.injector import Injector, Trigger
@@ -42,7 +41,7 @@ def _requests(tokenizer, max_tokens: int) -> list[tuple[int, Request]]:
 def _run(fault: str | None, tracker_on: bool, max_tokens: int, seed: int, baseline=None):
     oracle, checks = Oracle(), SGLangStyleChecks()
     injector = Injector(fault, Trigger(mode="step", step=4), count=1, seed=seed) if fault else None
-    tracker = TagTracker(TrackerConfig(mode="check"), CollectorRegistry()) if tracker_on else NoopTracker()
+    tracker = checking_tracker(log=True) if tracker_on else NoopTracker()
     engine = Engine(ENGINE, tracker=tracker, observers=[o for o in (injector, oracle, checks) if o])
     arrivals = _requests(engine.tokenizer, max_tokens)
     _drive(engine, arrivals)

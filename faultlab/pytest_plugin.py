@@ -208,11 +208,9 @@ def faultlab_seed(request: pytest.FixtureRequest) -> int:
 
 def new_tag_tracker():
     """A checking TagTracker with its own Prometheus registry (no cross-test counter bleed)."""
-    from prometheus_client import CollectorRegistry
+    from .chaos import checking_tracker
 
-    from kvguard import TagTracker, TrackerConfig
-
-    return TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
+    return checking_tracker()
 
 
 @pytest.fixture

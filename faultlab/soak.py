@@ -2,11 +2,7 @@
 import sys
 import time
 
-from prometheus_client import CollectorRegistry
-
-from kvguard import TagTracker, TrackerConfig
-
-from .chaos import _drive, make_workload
+from .chaos import _drive, checking_tracker, make_workload
 from .engine.engine import Engine
 from .report import write_json
 from .scenario import load
@@ -41,7 +37,7 @@ def run_soak(args) -> int:
     bar = tqdm(range(seeds), desc=f"soak {scenario.name}", unit="seed", file=sys.stderr)
     for seed in bar:
         counter = _Counter()
-        tracker = TagTracker(TrackerConfig(mode="check"), CollectorRegistry())
+        tracker = checking_tracker(log=True)
         engine = Engine(engine_cfg, tracker=tracker, observers=[counter])
         _drive(engine, make_workload(scenario, seed, engine.model.config.vocab))
         total += counter.request_steps

@@ -104,6 +104,9 @@ class TagTracker(NoopTracker):
         self._aranges = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
         self.scratch_page = 0
         self.use_triton = self._pick_triton(torch.device(device))
+        from .kernels import tag_check  # lazy: Triton is imported only by a checking tracker
+
+        self._check = tag_check.tag_check if self.use_triton else tag_check.tag_check_ref
 
     def _pick_triton(self, device: torch.device) -> bool:
         backend = self.config.backend
@@ -165,8 +168,6 @@ class TagTracker(NoopTracker):
         the request slots. ``source`` (default: ``table``) is the engine's untouched table, used only to
         explain a failure.
         """
-        from .kernels.tag_check import tag_check, tag_check_ref  # lazy: Triton only when checking
-
         self._require_attached()
         batch = rows.numel()
         if table_rows is None:
@@ -176,7 +177,7 @@ class TagTracker(NoopTracker):
             # The check quarantines `table` in place: explain failures from a snapshot taken before it
             # (pass `source` to avoid the copy).
             source, source_rows = (table.clone() if quarantine else table), table_rows
-        check = tag_check if self.use_triton else tag_check_ref
+        check = self._check
         verdict = check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
                         max_entries=max_entries, scratch_page=self.scratch_page, entry_step=entry_step,
                         page_div=page_div, quarantine=quarantine)

@@ -1,29 +1,14 @@
 """The engine's bookkeeping on the tiny random model: invariants, abort, admission, tracker wiring."""
-import random
 from collections import Counter
 
 import pytest
-from prometheus_client import CollectorRegistry
-
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.requests import Request
-from kvguard import NoopTracker, TagTracker, TrackerConfig
+from faultlab.chaos import checking_tracker
+from kvguard import NoopTracker
+from workloads import random_requests
 
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=6)
-
-
-def _requests(n, seed, prefix_len=32, shared=0.5):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 256) for _ in range(prefix_len)]
-    out = []
-    for i in range(n):
-        tokens = [rng.randrange(3, 256) for _ in range(rng.randint(4, 30))]
-        out.append(Request(f"r{i}", (prefix + tokens) if rng.random() < shared else tokens, rng.randint(4, 20)))
-    return out
-
-
-def _tracker():
-    return TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
 
 
 class InvariantChecker:
@@ -53,8 +38,8 @@ class InvariantChecker:
 @pytest.mark.parametrize("tracker", [False, True])
 def test_fault_free_run_keeps_invariants_and_never_aborts(tracker):
     checker = InvariantChecker()
-    engine = Engine(TINY, tracker=_tracker() if tracker else None, observers=[checker])
-    for r in _requests(12, seed=1):
+    engine = Engine(TINY, tracker=checking_tracker() if tracker else None, observers=[checker])
+    for r in random_requests(12, seed=1):
         engine.add_request(r)
     events = engine.run()
     assert checker.steps > 0
@@ -65,7 +50,7 @@ def test_fault_free_run_keeps_invariants_and_never_aborts(tracker):
 
 
 def test_prefix_cache_shares_pages_between_requests():
-    engine = Engine(TINY, tracker=_tracker())
+    engine = Engine(TINY, tracker=checking_tracker())
     first = Request("a", list(range(3, 40)), 4)
     engine.add_request(first)
     engine.run()
@@ -80,13 +65,13 @@ def test_prefix_cache_shares_pages_between_requests():
 def test_outputs_do_not_depend_on_batch_or_cache():
     """batch_invariant: a request's greedy output is the same alone or in a crowd."""
     alone = {}
-    for r in _requests(6, seed=3):
+    for r in random_requests(6, seed=3):
         engine = Engine(TINY)
         engine.add_request(r)
         engine.run()
         alone[r.rid] = r.output
     engine = Engine(TINY)
-    crowd = _requests(6, seed=3)
+    crowd = random_requests(6, seed=3)
     for r in crowd:
         engine.add_request(r)
     engine.run()
@@ -94,8 +79,8 @@ def test_outputs_do_not_depend_on_batch_or_cache():
 
 
 def test_abort_releases_exactly_its_pages():
-    engine = Engine(TINY, tracker=_tracker())
-    reqs = _requests(4, seed=5, shared=0.0)
+    engine = Engine(TINY, tracker=checking_tracker())
+    reqs = random_requests(4, seed=5, shared=0.0)
     for r in reqs:
         engine.add_request(r)
     engine.step()
@@ -114,8 +99,8 @@ def test_abort_releases_exactly_its_pages():
 
 
 def test_tracker_aborts_only_the_remapped_request_before_streaming():
-    engine = Engine(TINY, tracker=_tracker())
-    reqs = _requests(3, seed=7, shared=0.0)
+    engine = Engine(TINY, tracker=checking_tracker())
+    reqs = random_requests(3, seed=7, shared=0.0)
     for r in reqs:
         engine.add_request(r)
     engine.step()

@@ -6,14 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from faultlab.chaos import run_case
+from faultlab.chaos import checking_tracker, run_case
 from faultlab.engine.engine import Engine, EngineConfig
 from faultlab.engine.requests import Request
 from faultlab.faults.catalog import FAULTS
 from faultlab.oracle import Oracle
 from faultlab.scenario import parse
-from kvguard import TagTracker, TrackerConfig
-from prometheus_client import CollectorRegistry
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
@@ -37,10 +35,6 @@ def sglang_smoke():
 @pytest.fixture(scope="module")
 def baseline(sglang_smoke):
     return run_case(sglang_smoke, None, 0, False)
-
-
-def _tracker():
-    return TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
 
 
 def test_engine_is_backed_by_sglang_classes():
@@ -90,7 +84,7 @@ def test_fault_free_run_matches_native(page_size):
 def test_real_double_free_shares_a_page_and_the_earlier_owner_is_aborted():
     oracle = Oracle()
     engine = Engine(EngineConfig(memory="sglang", num_pages=8, max_running=2, prefix_cache=False),
-                    tracker=_tracker(), observers=[oracle])
+                    tracker=checking_tracker(), observers=[oracle])
     engine.add_request(Request("gone", list(range(3, 13)), 1))
     engine.run()
     page = int(engine.allocator.free_pages[0])  # its page, just freed (LIFO)

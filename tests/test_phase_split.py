@@ -1,41 +1,24 @@
 """Phase split (BF16 prefill pool -> decode pool over a guarded KV transfer) on the tiny model."""
-import random
 from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
 from faultlab import chaos
-from faultlab.chaos import run_case
+from faultlab.chaos import checking_tracker, run_case
 from faultlab.cli import _load_classes
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.phase_split import PhaseSplitEngine
-from faultlab.engine.requests import Request
 from faultlab.oracle import Oracle
 from faultlab.scenario import ScenarioError, fault_classes, load, parse
-from kvguard import TagTracker, TrackerConfig
 from kvguard.transfer import guard_slots
+from workloads import random_requests
 
 SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "phase_split.toml"
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=4)
 SPLIT = replace(TINY, phase_split=True, prefill_kv_dtype="bf16")
-
-
-def _tracker():
-    return TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
-
-
-def _requests(n, seed, prefix_len=32, shared=0.5):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 256) for _ in range(prefix_len)]
-    out = []
-    for i in range(n):
-        tokens = [rng.randrange(3, 256) for _ in range(rng.randint(4, 30))]
-        out.append(Request(f"r{i}", (prefix + tokens) if rng.random() < shared else tokens, rng.randint(4, 16)))
-    return out
 
 
 def _outputs(config, requests, forced=None):
@@ -59,16 +42,16 @@ def _outputs(config, requests, forced=None):
 @pytest.mark.parametrize("lag", [1, 2])
 def test_phase_split_output_equals_single_pool(dtype, lag):
     """Same dtype on both pools: the transfer copies bits, so greedy outputs are identical."""
-    single, _ = _outputs(replace(TINY, kv_dtype=dtype), _requests(8, seed=11))
+    single, _ = _outputs(replace(TINY, kv_dtype=dtype), random_requests(8, seed=11, max_new=(4, 16)))
     split, _ = _outputs(replace(SPLIT, kv_dtype=dtype, prefill_kv_dtype=dtype, transfer_lag=lag),
-                        _requests(8, seed=11))
+                        random_requests(8, seed=11, max_new=(4, 16)))
     assert split == single
 
 
 def test_fp8_decode_top1_agreement_with_single_pool(capsys):
     """BF16 prefill -> FP8 decode vs FP8 single pool, teacher-forced on the single-pool greedy tokens."""
-    single, _ = _outputs(TINY, _requests(8, seed=12))
-    _, argmax = _outputs(SPLIT, _requests(8, seed=12), forced=single)
+    single, _ = _outputs(TINY, random_requests(8, seed=12, max_new=(4, 16)))
+    _, argmax = _outputs(SPLIT, random_requests(8, seed=12, max_new=(4, 16)), forced=single)
     pairs = [(a, b) for rid in single for a, b in zip(argmax[rid], single[rid])]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     with capsys.disabled():
@@ -87,7 +70,7 @@ def test_engine_dispatch_and_config():
 
 
 def test_guard_verdict_per_transfer_and_scratch_redirect():
-    tracker = _tracker()
+    tracker = checking_tracker()
     tracker.attach(num_pages=9, num_rows=2, max_entries=4, device="cpu", page_size=4)
     a, b = torch.tensor([1, 2]), torch.tensor([3])
     tracker.on_alloc(torch.tensor([1, 2, 3]))
@@ -108,7 +91,7 @@ def _strike_in_flight(tracker):
     Returns (receiver, others, outsider pages' bytes before, after, the second step's events).
     """
     engine = Engine(SPLIT, tracker=tracker)
-    reqs = _requests(3, seed=5, shared=0.0)
+    reqs = random_requests(3, seed=5, shared=0.0, max_new=(4, 16))
     for r in reqs:
         engine.add_request(r)
     engine.step()
@@ -123,7 +106,7 @@ def _strike_in_flight(tracker):
 
 
 def test_guard_discards_a_transfer_into_reallocated_pages():
-    engine, receiver, others, before, after, events = _strike_in_flight(_tracker())
+    engine, receiver, others, before, after, events = _strike_in_flight(checking_tracker())
     assert receiver.status == "aborted" and "transfer_target_changed" in receiver.error
     assert [e.rid for e in events if e.kind == "abort"] == [receiver.rid]
     assert len(receiver.output) == 1, "only the prefill-side token was streamed"

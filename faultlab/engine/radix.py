@@ -86,12 +86,12 @@ class RadixCache:
         return rejected + list(pages[n_full:])
 
     # -- eviction ------------------------------------------------------------------------------------
-    def evictable_leaves(self) -> list[Node]:
-        return [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-
     def evictable_pages(self) -> int:
-        """Pages that eviction could free now (unlocked subtrees)."""
-        return sum(1 for n in self._nodes() if self._unlocked_subtree(n))
+        """Pages that eviction could free now: nodes whose whole subtree is unlocked (one pass)."""
+        unlocked = {}
+        for node in reversed(list(self._nodes())):  # pre-order reversed: children before parents
+            unlocked[node] = node.lock_ref == 0 and all(unlocked[c] for c in node.children.values())
+        return sum(unlocked.values())
 
     def evict(self, n_pages: int, *, allow_locked: bool = False) -> list[int]:
         """Free up to ``n_pages`` pages of LRU unlocked leaves; return the freed pages."""
@@ -123,6 +123,3 @@ class RadixCache:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
-
-    def _unlocked_subtree(self, node: Node) -> bool:
-        return node.lock_ref == 0 and all(self._unlocked_subtree(c) for c in node.children.values())

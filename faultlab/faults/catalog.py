@@ -206,56 +206,55 @@ class SwappedEntries(Fault):
         return {"a": a.rid, "b": b.rid, "pages": [pa, pb]}
 
 
-@register
-class IndexShift(Fault):
-    name = "index_shift"
+class EntryFault(Fault):
+    """A fault that rewrites one live page-table entry of a request about to run."""
+
     where = "page table"
+
+    def apply(self, engine, rng, ctx):
+        picked = _pick_entry(engine, rng, ctx.requests)
+        if picked is None:
+            return None
+        request, j = picked
+        return _set_entry(engine, request, j, self.new_page(engine, rng, int(engine.table[request.row, j])))
+
+    def new_page(self, engine, rng, page: int) -> int:
+        raise NotImplementedError
+
+
+@register
+class IndexShift(EntryFault):
+    name = "index_shift"
     corrupts = "an entry is off by one page id"
     why = "the neighbouring page carries its own, different tag (or is out of range)"
 
-    def apply(self, engine, rng, ctx):
-        picked = _pick_entry(engine, rng, ctx.requests)
-        if picked is None:
-            return None
-        request, j = picked
-        return _set_entry(engine, request, j, int(engine.table[request.row, j]) + rng.choice((-1, 1)))
+    def new_page(self, engine, rng, page):
+        return page + rng.choice((-1, 1))
 
 
 @register
-class BitflipEntry(Fault):
+class BitflipEntry(EntryFault):
     name = "bitflip_entry"
-    where = "page table"
     corrupts = "one bit of one entry flips"
     why = "the flipped id names another page (other tag) or leaves the pool (bounds check)"
 
-    def apply(self, engine, rng, ctx):
-        picked = _pick_entry(engine, rng, ctx.requests)
-        if picked is None:
-            return None
-        request, j = picked
-        page = int(engine.table[request.row, j])
+    def new_page(self, engine, rng, page):
         # NOTE: only flips that stay inside the KV allocation (pool + guard pages): on this CPU engine a
         # wilder id would crash the tracker-off run instead of reading the wrong data a GPU would read.
         limit = engine.num_pages + engine.kv.guard_pages
         bits = [b for b in range(limit.bit_length() + 1) if (page ^ (1 << b)) <= limit]
-        return _set_entry(engine, request, j, page ^ (1 << rng.choice(bits)))
+        return page ^ (1 << rng.choice(bits))
 
 
 @register
-class OutOfRangeEntry(Fault):
+class OutOfRangeEntry(EntryFault):
     name = "out_of_range_entry"
-    where = "page table"
     corrupts = "an entry holds a page id >= the pool size, or a negative one"
     why = "bounds check; quarantine keeps the attention kernel inside the pool"
 
-    def apply(self, engine, rng, ctx):
-        picked = _pick_entry(engine, rng, ctx.requests)
-        if picked is None:
-            return None
-        request, j = picked
+    def new_page(self, engine, rng, page):
         guard = max(1, engine.kv.guard_pages)
-        page = engine.num_pages + 1 + rng.randrange(guard) if rng.random() < 0.5 else -1 - rng.randrange(guard)
-        return _set_entry(engine, request, j, page)
+        return engine.num_pages + 1 + rng.randrange(guard) if rng.random() < 0.5 else -1 - rng.randrange(guard)
 
 
 # -- prefix-cache faults ---------------------------------------------------------------------------
