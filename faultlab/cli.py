@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval-kv", help="FP8 vs BF16 KV: top-1 agreement and KL on real text")
     ev.add_argument("--model", default="smollm2")
     ev.add_argument("--positions", type=int, default=2000)
+    ev.add_argument("--no-rotate-k", dest="rotate_k", action="store_false", default=None,
+                    help="FP8 without the Hadamard K rotation (the plain e4m3 layout)")
     ev.add_argument("--json", dest="json_out")
     return parser
 
@@ -239,7 +241,7 @@ def cmd_eval_kv(args) -> int:
     from .evalkv import eval_kv
     from .report import write_json
 
-    result = eval_kv(args.model, n_positions=args.positions)
+    result = eval_kv(args.model, n_positions=args.positions, rotate_k=args.rotate_k)
     print(result)
     if args.json_out:
         write_json(args.json_out, result)

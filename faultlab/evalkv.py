@@ -54,12 +54,13 @@ def _page_row(n_tokens: int, page_size: int, device) -> torch.Tensor:
     return torch.arange(1, -(-n_tokens // page_size) + 1, dtype=torch.int32, device=device)  # [P]
 
 
-def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int):
+def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int,
+                   rotate_k: bool | None = None):
     """Logits float32 [T, V] of one window fed chunk by chunk into a fresh cache of `kv_dtype`."""
     c, device = model.config, tokens.device
     page_row = _page_row(tokens.numel(), page_size, device)
     kv = PagedKVCache(c.n_layers, page_row.numel(), page_size, c.n_kv_heads, c.head_dim, kv_dtype,
-                      device, model.backend)
+                      device, model.backend, rotate_k=rotate_k)
     pos = torch.arange(tokens.numel(), device=device)
     slots = page_row[pos // page_size].long() * page_size + pos % page_size  # [T]
     out = [model.prefill(tokens[s:s + chunk], s, kv, page_row, slots[s:s + chunk])
@@ -90,9 +91,11 @@ def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]
 
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
-            backend: str = "torch", device: str = "cpu") -> dict:
+            backend: str = "torch", device: str = "cpu", rotate_k: bool | None = None) -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
+    `rotate_k` is the test cache's Hadamard K rotation (None: the cache's default, on for FP8); the
+    reference cache never rotates.
     Returns {"positions", "top1_agreement", "mean_kl", "max_kl", "ppl_ref", "ppl_test"}: KL(p_ref || p_test)
     in nats per position, and the perplexity of the text under each cache (for scale).
     """
@@ -107,14 +110,20 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
         tokens = text[start:start + length]
         # NOTE: the first chunk of a window attends to its own fresh K/V only, identical for both
         # caches, so it is left out of the counts (it would inflate the agreement).
-        ref = _window_logits(model, tokens, ref_kv, chunk, page_size)[chunk:]
-        test = _window_logits(model, tokens, test_kv, chunk, page_size)[chunk:]
+        ref = _window_logits(model, tokens, ref_kv, chunk, page_size, rotate_k=False)[chunk:]
+        test = _window_logits(model, tokens, test_kv, chunk, page_size, rotate_k)[chunk:]
         for key, value in _compare(ref, test, tokens[chunk + 1:]).items():
             totals[key] = max(totals.get(key, 0.0), value) if key == "max_kl" else totals.get(key, 0) + value
-    return {"positions": n_positions, "top1_agreement": totals["agree"] / n_positions,
+    return {"positions": n_positions, "test_kv": test_kv, "ref_kv": ref_kv,
+            "rotate_k": _window_rotation(test_kv, rotate_k, model), "top1_agreement": totals["agree"] / n_positions,
             "mean_kl": totals["kl"] / n_positions, "max_kl": totals["max_kl"],
             "ppl_ref": math.exp(totals["nll_ref"] / totals["n_nll"]),
             "ppl_test": math.exp(totals["nll_test"] / totals["n_nll"])}
+
+
+def _window_rotation(kv_dtype: str, rotate_k: bool | None, model: LlamaModel) -> bool:
+    c = model.config
+    return PagedKVCache(1, 1, 1, c.n_kv_heads, c.head_dim, kv_dtype, rotate_k=rotate_k).rotate_k
 
 
 def main() -> None:

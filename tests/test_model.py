@@ -140,7 +140,7 @@ def test_torch_cache_ops_match_kernel_references(kv_dtype):
     from kvguard.kernels.paged_attention import paged_decode_attention_ref
 
     gen = torch.Generator().manual_seed(5)
-    kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.3, v_scale=2.0)
+    kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.3, v_scale=2.0, rotate_k=False)
     k, v = torch.randn(40, 2, 16, generator=gen) * 50, torch.randn(40, 2, 16, generator=gen)
     slots = torch.randperm(40, generator=gen) + PAGE  # pages 1..10, shuffled
     ref_k, ref_v = kv.k[0].clone(), kv.v[0].clone()
@@ -158,3 +158,43 @@ def test_torch_cache_ops_match_kernel_references(kv_dtype):
     k_gather, _ = kv.gather(0, table[1], 13)
     k_ref = ref_k[table[1].long()].flatten(0, 1)[:13].float() * (0.3 if kv_dtype == "fp8" else 1.0)
     assert torch.equal(k_gather, k_ref)
+
+
+def _outlier_heads(gen, n, heads, d=64):
+    """[n, heads, d] normal vectors with a few large channels, the shape of RoPE'd Llama K and Q."""
+    x = torch.randn(n, heads, d, generator=gen)
+    x[..., :4] *= 12.0
+    return x
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hadamard_k_rotation_is_exact_and_halves_fp8_score_error(backend):
+    """Rotating K by H (and q by H) leaves attention unchanged up to rounding, and in FP8 it shrinks
+    the error against an unquantized cache on outlier-channel K."""
+    from faultlab.engine.kvcache import hadamard
+
+    h = hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    gen = torch.Generator().manual_seed(11)
+    n, hkv = 48, 2
+    k, v = _outlier_heads(gen, n, hkv), torch.randn(n, hkv, 64, generator=gen)
+    q = _outlier_heads(gen, 3, 4)
+    slots = torch.randperm(n, generator=gen) + PAGE
+    table = torch.arange(1, 13, dtype=torch.int32).repeat(3, 1)[:, torch.randperm(12, generator=gen)]
+    seq_lens = torch.tensor([n, 17, 30])
+
+    def attend(dtype, rotate):
+        kv = PagedKVCache(1, 12, PAGE, hkv, 64, dtype, backend=backend, rotate_k=rotate)
+        kv.store(0, k, v, slots)
+        return kv, kv.decode_attention(0, q, table, seq_lens, 64 ** -0.5)
+
+    kv_plain, exact = attend("fp32", False)
+    kv_rot, rotated = attend("fp32", True)
+    assert_close(rotated, exact, 1e-5, "fp32 cache, rotated K")
+    assert_close(kv_rot.gather(0, table[0], n)[0], kv_plain.gather(0, table[0], n)[0], 1e-5, "gather")
+    err = {rotate: float((attend("fp8", rotate)[1] - exact).norm() / exact.norm()) for rotate in (False, True)}
+    assert err[True] < 0.7 * err[False], err
+    assert PagedKVCache(1, 1, 1, 1, 64, "fp8").rotate_k and not PagedKVCache(1, 1, 1, 1, 64, "bf16").rotate_k
+    assert not PagedKVCache(1, 1, 1, 1, 48, "fp8").rotate_k  # not a power of 2: plain layout
+    with pytest.raises(ValueError, match="power-of-2"):
+        PagedKVCache(1, 1, 1, 1, 48, "fp8", rotate_k=True)

@@ -43,6 +43,16 @@ def fp8_table(scale: float, device) -> torch.Tensor:
     return codes.float() * scale
 
 
+def hadamard(d: int, device=None) -> torch.Tensor:
+    """float32 [d, d]: the orthonormal Sylvester Hadamard matrix (d a power of 2); symmetric, its own inverse."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / d ** 0.5).to(torch.float32).to(device)
+
+
 def _raw(cache: torch.Tensor) -> torch.Tensor:
     """The tensor to index: FP8 caches as their uint8 bytes (index/index_put lack fp8 on some devices)."""
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
@@ -113,12 +123,19 @@ class PagedKVCache:
     Per layer `k[layer], v[layer]: [num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]`.
     Page 0 is scratch and pages past `num_pages` are guard pages; both hold seeded garbage.
     FP8 stores `(x / scale)` with one scalar scale per layer for K and one for V.
+
+    `rotate_k` (default: on for FP8 when head_dim is a power of 2) stores every K head vector
+    rotated by the orthonormal Hadamard matrix H: pages hold `k @ H`, decode attention scores
+    `(q @ H) . (k @ H) = q . k`, and `gather` returns `k @ H @ H = k`. Exact in real arithmetic; in
+    e4m3 it spreads RoPE'd K's outlier channels over the whole head, which halves the FP8 error of
+    the attention scores (docs/structures.md, "FP8 KV layout").
     """
 
     def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
                  dtype: str = "bf16", device="cpu", backend: str = "torch", guard_pages: int = 4,
                  k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0,
-                 buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+                 buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                 rotate_k: bool | None = None):
         _check_choice("kv dtype", dtype, KV_DTYPES)
         _check_choice("backend", backend, BACKENDS)
         if num_pages < 1 or page_size < 1 or guard_pages < 0:
@@ -141,6 +158,10 @@ class PagedKVCache:
         self.k, self.v = _checked_buffers(buffers, n_layers, shape, self.torch_dtype)
         self._fill_garbage()
         fp8 = dtype == "fp8"
+        if rotate_k is None:
+            rotate_k = fp8 and head_dim & (head_dim - 1) == 0
+        self.rotate_k = bool(rotate_k)
+        self.k_rotation = hadamard(head_dim, self.device) if self.rotate_k else None  # [D, D]
         self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
         self._v_tables = [fp8_table(x, self.device) if fp8 else None for x in self.v_scale]
 
@@ -155,7 +176,7 @@ class PagedKVCache:
     @classmethod
     def over_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], dtype: str, *, backend: str = "torch",
                      guard_pages: int = 4, k_scale: float | Sequence[float] = 1.0,
-                     v_scale: float | Sequence[float] = 1.0) -> "PagedKVCache":
+                     v_scale: float | Sequence[float] = 1.0, rotate_k: bool | None = None) -> "PagedKVCache":
         """A cache over existing per-layer K/V tensors (no copy), e.g. views of SGLang's MHATokenToKVPool.
 
         Each tensor is `[num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]` of the dtype's
@@ -164,7 +185,7 @@ class PagedKVCache:
         pages, page_size, n_kv_heads, head_dim = k[0].shape
         return cls(len(k), pages - 1 - guard_pages, page_size, n_kv_heads, head_dim, dtype=dtype,
                    device=k[0].device, backend=backend, guard_pages=guard_pages, k_scale=k_scale,
-                   v_scale=v_scale, buffers=(list(k), list(v)))
+                   v_scale=v_scale, buffers=(list(k), list(v)), rotate_k=rotate_k)
 
     @property
     def max_tokens(self) -> int:
@@ -193,6 +214,8 @@ class PagedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v [T, Hkv, D] to flat slots [T] (long) of `layer`, quantizing to the cache dtype."""
         store = store_kv_torch if self.backend == "torch" else _kernel("kv_store", "store_kv")
+        if self.k_rotation is not None:
+            k = (k.float() @ self.k_rotation).to(k.dtype)  # the kernels take k and v in one dtype
         store(k, v, self.k[layer], self.v[layer], slots, self.k_scale[layer], self.v_scale[layer])
 
     def decode_plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan | None:
@@ -205,6 +228,8 @@ class PagedKVCache:
 
         `plan` (from `decode_plan` of the same block_table/seq_lens) skips recomputing it per layer.
         """
+        if self.k_rotation is not None:
+            q = (q.float() @ self.k_rotation).to(q.dtype)
         if self.backend == "triton":
             attend = _kernel("paged_attention", "paged_decode_attention")
             return attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
@@ -217,6 +242,8 @@ class PagedKVCache:
         """The first `n_tokens` of one page row, dequantized: (k, v) float32 [n_tokens, Hkv, D]."""
         pages = page_row[:-(-n_tokens // self.page_size)].long()
         k = dequantize(_raw(self.k[layer])[pages].flatten(0, 1)[:n_tokens], self._k_tables[layer])
+        if self.k_rotation is not None:
+            k = k @ self.k_rotation  # H is its own inverse
         v = dequantize(_raw(self.v[layer])[pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
         return k, v
 
