@@ -54,6 +54,7 @@ class EngineConfig:
     prefix_cache: bool = True
     batch_invariant: bool = True  # decode row by row, so outputs never depend on batch composition
     device: str = "cpu"
+    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs (device cuda, backend triton)
     seed: int = 0
     # -- phase split (faultlab/engine/phase_split.py): prefill on its own pool, KV transferred to decode
     phase_split: bool = False
@@ -73,6 +74,9 @@ class EngineConfig:
             raise ConfigError("engine.num_pages must be >= 0 and engine.kv_budget_mb > 0")
         _choice("prefill_kv_dtype", self.prefill_kv_dtype, KV_DTYPES)
         _choice("prefill_weight_dtype", self.prefill_weight_dtype, ("", *WEIGHT_DTYPES))
+        if self.cuda_graphs and (not self.device.startswith("cuda") or self.backend != "triton"):
+            raise ConfigError(f"engine.cuda_graphs needs device 'cuda' and backend 'triton', got device "
+                              f"{self.device!r}, backend {self.backend!r}")
         if self.transfer_lag < 1:
             raise ConfigError(f"engine.transfer_lag must be >= 1 (steps in flight), got {self.transfer_lag}")
 
@@ -118,6 +122,11 @@ class Engine:
             int(config.kv_budget_mb * 2**20), mc.n_layers, config.page_size, mc.n_kv_heads, mc.head_dim,
             config.kv_dtype)
         self.kv = self._build_kv(num_pages)
+        self.graphs = None
+        if config.cuda_graphs:
+            from .cuda_graphs import GraphedDecode
+
+            self.graphs = GraphedDecode(self.model, self.kv, config.max_running, self.max_pages)
         self.tracker = tracker if tracker is not None else NoopTracker()
         self.observers = list(observers)
         self.allocator, self.req_pool = self._build_memory(num_pages)
@@ -324,11 +333,17 @@ class Engine:
 
     def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
         if not self.config.batch_invariant:
-            return self.model.decode(tokens, positions, self.kv, block, slots)
+            return self._decode_rows(tokens, positions, block, slots)
         # NOTE: row by row, each request's logits are bit-identical whatever else is in the batch, so
         # a chaos run can compare every non-victim's output with the fault-free run token for token.
-        return torch.cat([self.model.decode(tokens[b:b + 1], positions[b:b + 1], self.kv, block[b:b + 1],
-                                            slots[b:b + 1]) for b in range(tokens.numel())])
+        return torch.cat([self._decode_rows(tokens[b:b + 1], positions[b:b + 1], block[b:b + 1], slots[b:b + 1])
+                          for b in range(tokens.numel())])
+
+    def _decode_rows(self, tokens, positions, block, slots) -> torch.Tensor:
+        """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
+        if self.graphs is not None:
+            return self.graphs(tokens, positions, block, slots)
+        return self.model.decode(tokens, positions, self.kv, block, slots)
 
     # -- shared step pieces ------------------------------------------------------------------------
     def _validate(self, block, rows, n_entries, batch, positions_read):
