@@ -2,17 +2,25 @@
 
     python bench/tp_bench.py --nproc 2 --out bench/results        # 2 H200s, NCCL, llama3-8b INT4, FP8 KV, graphs
     torchrun --nproc-per-node 2 bench/tp_bench.py --out bench/results   # the same under torchrun
+    python bench/tp_bench.py --nproc 1 --out /tmp/tp1               # 1 GPU, NCCL world 1: the graphs capture
+    python bench/tp_bench.py --nproc 2 --dist-backend gloo --out /tmp/tpg   # 2 ranks on 1 GPU: gloo, eager
     python bench/tp_bench.py --dry-run --out /tmp/tp_bench         # CPU: gloo, tiny shapes, eager, checks the plumbing
 
 Method (as faultlab/gpubench.py): each rank builds the same B requests at context ``ctx`` on scattered
 pages (its own KV shard: n_kv_heads / world heads), decode steps are captured as CUDA graphs, one per
 variant, and replayed interleaved in rotating order (every rank replays the same order, so the NCCL
 collectives inside the graphs pair up); medians and p99 per variant over all replays, CUDA events.
-Variants: ``noop`` and ``noop2`` (no tracker: A/A noise floor), ``check_local`` (each rank's tag check,
-no combine: the single-GPU tracker cost), ``check`` (tag check + the verdict all-reduce (MAX) of
-``kvguard.distributed.RankTracker``: what TP deployments run). The all-reduce section times
-``combine_verdict`` alone (eager and 50-in-a-graph) next to a hidden-state all-reduce of the same batch.
-On CPU (``--dry-run``) the same steps run eagerly on gloo, timed with perf_counter.
+Variants (``--variants``): ``noop`` and ``noop2`` (no tracker: A/A noise floor), ``check_local`` (each
+rank's tag check, no combine: the single-GPU tracker cost), ``check`` (tag check + the verdict
+all-reduce (MAX) of ``kvguard.distributed.RankTracker``: what TP deployments run), ``check_piggyback``
+(tag check, the verdict riding as one extra column on the last layer's w_down all-reduce:
+``RankTracker(piggyback=True)`` + ``TPLlamaModel.decode(..., ride=)``; no all-reduce of its own, no
+host sync, captured in the graph like the others). The all-reduce section times ``combine_verdict``
+alone (eager and 50-in-a-graph) next to a hidden-state all-reduce of the same batch, [B, hidden], and
+the piggyback's [B, hidden + 1].
+CUDA graphs need NCCL: with ``--dist-backend gloo`` on GPUs (ranks sharing one GPU) every variant runs
+eagerly, timed with perf_counter around a device sync, which checks the plumbing, not the overheads.
+On CPU (``--dry-run``) the same steps run eagerly on gloo. Every process has ``NCCL_NVLS_ENABLE=0``.
 Rank 0 writes tp_overhead.json and tp_allreduce.json (every rank's rows).
 """
 import argparse
@@ -72,9 +80,12 @@ def summary(times: dict) -> dict:
 
 
 # -- the TP decode step ----------------------------------------------------------------------------
-def rank_tracker(state: DecodeState, dev, combine: bool) -> RankTracker:
+VARIANTS = ("noop", "noop2", "check_local", "check", "check_piggyback")
+
+
+def rank_tracker(state: DecodeState, dev, combine: bool, piggyback: bool = False) -> RankTracker:
     """A ``RankTracker`` holding the same tags and expected rows as ``state.tracker``."""
-    t = RankTracker(TrackerConfig(mode="check", log_violations=False), combine=combine)
+    t = RankTracker(TrackerConfig(mode="check", log_violations=False), combine=combine, piggyback=piggyback)
     t.attach(num_pages=state.batch * state.width + 1, num_rows=state.batch, max_entries=state.width, device=dev,
              page_size=state.ps)
     flat = state.table.flatten().long()
@@ -84,25 +95,69 @@ def rank_tracker(state: DecodeState, dev, combine: bool) -> RankTracker:
     return t
 
 
+def make_tracker(name: str, state: DecodeState, dev):
+    if name.startswith("noop"):
+        return NoopTracker()
+    return rank_tracker(state, dev, combine=name != "check_local", piggyback=name == "check_piggyback")
+
+
+def decode_step(state: DecodeState, model, tracker):
+    """``DecodeState.step``, handing a piggyback check's ride to the forward (its last all-reduce)."""
+    block = state.table.index_select(0, state.rows)  # [B, W] the kernel-visible copy
+    check = tracker.validate(block, state.rows, state.n_entries, max_entries=state.width,
+                             source=state.table, source_rows=state.rows)
+    slots = block.gather(1, state.page_idx).squeeze(1).long() * state.ps + state.offs
+    ride = getattr(check, "ride", None)
+    kwargs = {} if ride is None else {"ride": ride}
+    logits = model.decode(state.tokens, state.positions, state.kv, block, slots, **kwargs)
+    return logits.argmax(-1), (None if check is None else check.verdict)
+
+
+def verdict_agreement(state: DecodeState, run: dict, dev) -> dict:
+    """After timing: rank 0's table gets an out-of-range entry in request 0; every combining variant
+    (as timed: the graph replayed, or the eager step) must flag request 0 only, on every rank."""
+    names = [n for n in ("check", "check_piggyback") if n in run]
+    saved = state.table[0, 0].clone()
+    if dist.get_rank() == 0:
+        state.table[0, 0] = 1 << 30  # quarantined to the scratch page by the check: safe to run
+    flagged = {n: (run[n]()[1].flatten() > 0).tolist() for n in names}  # same order on every rank
+    _sync(dev)
+    state.table[0, 0] = saved
+    want = [True] + [False] * (state.batch - 1)
+    assert all(f == want for f in flagged.values()), f"verdicts disagree on a rank-0 fault: {flagged}"
+    return {n: "request 0 flagged on every rank" for n in names}
+
+
 def bench_overhead(model, batch, args, dev, backend) -> dict:
-    """One concurrency: interleaved noop / noop2 / check_local / check decode steps."""
+    """One concurrency: the variants' decode steps, interleaved (graphs on NCCL, eager otherwise)."""
     state = DecodeState(model, batch, args.ctx, args.page_size, args.kv_dtype, dev, backend)
-    trackers = {"noop": NoopTracker(), "noop2": NoopTracker(), "check_local": rank_tracker(state, dev, False),
-                "check": rank_tracker(state, dev, True)}
-    steps = {n: (lambda t=t: state.step(model, t)) for n, t in trackers.items()}
+    trackers = {n: make_tracker(n, state, dev) for n in args.variants}
+    steps = {n: (lambda t=t: decode_step(state, model, t)) for n, t in trackers.items()}
     dist.barrier()
-    if args.dry_run:
-        ids = {n: fn()[0] for n, fn in steps.items()}
-        assert all(torch.equal(ids["noop"], v) for v in ids.values()), "a tracker changed a clean step"
+    first = {}
+    if args.eager:
+        first = {n: fn() for n, fn in steps.items()}
         times = eager_interleaved(steps, args.pairs, dev)
+        run = {n: fn for n, fn in steps.items()}
     else:
-        graphs = {}
-        for n, fn in steps.items():
-            graphs[n], (_, verdict) = capture(fn)
-            assert verdict is None or int(verdict.sum()) == 0, f"false positive in {n}"
-        times = interleaved(graphs, args.pairs)
+        graphs = {n: capture(fn) for n, fn in steps.items()}
+        for n, (g, out) in graphs.items():
+            g.replay()  # a captured graph's outputs hold values only once it has run
+            first[n] = out
+        torch.cuda.synchronize()
+        times = interleaved({n: g for n, (g, _) in graphs.items()}, args.pairs)
+        run = {n: (lambda g=g, out=out: (g.replay(), out)[1]) for n, (g, out) in graphs.items()}
+    agree = verdict_agreement(state, run, dev)
+    base = first[args.variants[0]][0]
+    mismatch = {n: int((out[0] != base).sum()) for n, out in first.items()}
+    # NOTE: at <= 2 ranks every variant's tokens are bit-identical (the piggyback's wider all-reduce sums
+    # two values, which commutes); at more ranks a wider buffer may be chunked differently (last bits).
+    assert dist.get_world_size() > 2 or not any(mismatch.values()), f"a tracker changed clean tokens: {mismatch}"
+    for n, (_, verdict) in first.items():
+        assert verdict is None or int(verdict.sum()) == 0, f"false positive in {n}"
     row = {"concurrency": batch, "page_size": args.page_size, "context": args.ctx, "kv_dtype": args.kv_dtype,
-           "replays_per_variant": args.pairs, **summary(times)}
+           "replays_per_variant": args.pairs, "timing": "eager" if args.eager else "cuda_graph",
+           "tokens_differing_from_noop": mismatch, "verdict_on_rank0_fault": agree, **summary(times)}
     del state
     return row
 
@@ -112,19 +167,23 @@ def bench_allreduce(batch, hidden, act_dtype, args, dev) -> dict:
     """``combine_verdict`` of B int32 (eager; and per call in a 50-call graph on CUDA) vs a [B, hidden] all-reduce."""
     verdict = torch.zeros(batch, dtype=torch.int32, device=dev)
     hid = torch.zeros(batch, hidden, dtype=act_dtype, device=dev)
-    fns = {"verdict": lambda: combine_verdict(verdict), "hidden": lambda: dist.all_reduce(hid)}
+    wide = torch.zeros(batch, hidden + 1, dtype=act_dtype, device=dev)  # the piggyback's buffer
+    fns = {"verdict": lambda: combine_verdict(verdict), "hidden": lambda: dist.all_reduce(hid),
+           "hidden_wide": lambda: dist.all_reduce(wide)}
     dist.barrier()
     t = eager_interleaved(fns, args.reps, dev)
     row = {"batch": batch, "verdict_us_median_eager": statistics.median(t["verdict"]) * 1e6,
            "verdict_us_p99_eager": pct(t["verdict"], 99) * 1e6,
-           "hidden_us_median_eager": statistics.median(t["hidden"]) * 1e6, "hidden_dtype": str(act_dtype)}
-    if dev.type == "cuda":
+           "hidden_us_median_eager": statistics.median(t["hidden"]) * 1e6,
+           "hidden_wide_us_median_eager": statistics.median(t["hidden_wide"]) * 1e6, "hidden_dtype": str(act_dtype)}
+    if not args.eager:
         reps = 50
-        g, _ = capture(lambda: [combine_verdict(verdict) for _ in range(reps)])
-        gh, _ = capture(lambda: [dist.all_reduce(hid) for _ in range(reps)])
-        tg = interleaved({"verdict": g, "hidden": gh}, 20)
-        row["verdict_us_median_graph"] = statistics.median(tg["verdict"]) / reps * 1e6
-        row["hidden_us_median_graph"] = statistics.median(tg["hidden"]) / reps * 1e6
+        graphs = {"verdict": capture(lambda: [combine_verdict(verdict) for _ in range(reps)])[0],
+                  "hidden": capture(lambda: [dist.all_reduce(hid) for _ in range(reps)])[0],
+                  "hidden_wide": capture(lambda: [dist.all_reduce(wide) for _ in range(reps)])[0]}
+        tg = interleaved(graphs, 20)
+        for k in graphs:
+            row[f"{k}_us_median_graph"] = statistics.median(tg[k]) / reps * 1e6
     return row
 
 
@@ -170,7 +229,10 @@ def _write(args, mine: dict, world: int, dev) -> None:
         return
     meta = {"command": "python " + " ".join(sys.argv), "world": world, "model": args.model,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "backend": dist.get_backend(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "backend": dist.get_backend(), "gpu_count": torch.cuda.device_count() if dev.type == "cuda" else 0,
+            "timing": "eager" if args.eager else "cuda_graph", "variants": list(args.variants),
+            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+            "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("overhead", "allreduce"):
@@ -190,13 +252,14 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
 
 
 def _init(args, rank: int, world: int, init_method: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.dry_run:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         return
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+    dist.init_process_group(args.dist_backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
 
 
@@ -211,12 +274,22 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--pairs", type=int, default=None, help="replays per variant (60; dry run 10)")
     p.add_argument("--reps", type=int, default=None, help="eager all-reduce calls per variant (200; dry run 100)")
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: nccl when every rank has its own GPU, else gloo (eager, no graphs)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="decode-step variants, replayed interleaved; the first is the baseline (noop)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    if args.variants[0] != "noop":
+        p.error("--variants must start with noop (the baseline of the overheads)")
     if args.dry_run:
-        args.model, args.ctx = "tiny", 40
-    args.pairs = args.pairs or (10 if args.dry_run else 60)
-    args.reps = args.reps or (100 if args.dry_run else 200)
+        args.model, args.ctx, args.dist_backend = "tiny", 40, "gloo"
+    elif args.dist_backend == "auto":
+        world = int(os.environ.get("WORLD_SIZE", args.nproc))
+        args.dist_backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    args.eager = args.dry_run or args.dist_backend == "gloo"  # gloo collectives cannot be graph-captured
+    args.pairs = args.pairs or (10 if args.eager else 60)
+    args.reps = args.reps or (100 if args.eager else 200)
     return args
 
 

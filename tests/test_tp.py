@@ -9,7 +9,7 @@ from faultlab.engine.weights import Int4Weight
 from faultlab.faults.catalog import FAULTS
 from faultlab.scenario import available_faults
 from faultlab.engine.engine import EngineConfig
-from faultlab.tp_run import RunSpec, judge, launch
+from faultlab.tp_run import RunSpec, judge, launch, main, resolve_backend
 from kvguard.distributed import combine_verdict
 from kvguard.kernels.int4_gemm import quantize_int4
 
@@ -70,3 +70,19 @@ def test_fault_is_registered_for_tp_only():
 def test_combine_verdict_without_a_group_is_identity():
     v = torch.tensor([0, 3, 0], dtype=torch.int32)
     assert combine_verdict(v.clone()).tolist() == [0, 3, 0]
+
+
+def test_dist_backend_choice():
+    assert resolve_backend("cpu", "auto", 2) == "gloo" and resolve_backend("cpu", "gloo", 8) == "gloo"
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        resolve_backend("cpu", "nccl", 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_backend("cuda", "auto", 2)
+
+
+def test_tp_run_bad_input_exits_2(capsys):
+    assert main(["--dist-backend", "nccl"]) == 2  # NCCL on CPU
+    assert main(["--model", "no-such-model"]) == 2
+    assert main(["--model", "smollm2"]) == 2  # GGUF weights are single-process
+    assert "error:" in capsys.readouterr().err

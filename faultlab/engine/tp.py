@@ -15,6 +15,15 @@ local pool from it unchanged.
 Every rank runs the same deterministic scheduler (``TPEngine``): same requests, same allocator, same
 page table; kvguard's ``RankTracker`` combines the per-request verdict across ranks so every rank
 aborts the same requests, and ``TPEngine`` checks once per step that the schedulers still agree.
+
+Verdict piggyback (``RankTracker(piggyback=True)``): ``TPLlamaModel.decode`` / ``prefill`` take
+``ride=`` (a ``kvguard.distributed.VerdictRide``); the forward's last row-parallel all-reduce (the
+last layer's w_down output) carries the rank's per-request flags as extra columns, so the verdict
+needs no all-reduce of its own. ``TPEngine`` passes the ride of each check to the last forward that
+follows it: the decode batch's (in batch-invariant mode, row by row, the last row's call carries all B
+flags as B columns of its one row) and the prefill's (its last token's call; a prefill checks one
+request, so one extra column). Prefill and decode both ride: with piggyback the engine issues no
+verdict all-reduce at all.
 """
 from __future__ import annotations
 
@@ -114,19 +123,49 @@ class TPLlamaModel(LlamaModel):
         self.full_config = config
         local, shard = shard_weights(config, weights, self.rank, self.world)
         super().__init__(local, shard, backend=backend, act_dtype=act_dtype)
+        self._last_reduce = self.layers[-1].w_down  # the forward's last all-reduce: where a verdict rides
+        self._ride = None
 
     def _prepare_layer(self, lw):
         layer = super()._prepare_layer(lw)
         return replace(layer, wo=RowParallel(layer.wo), w_down=RowParallel(layer.w_down))
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        """``LlamaModel.linear``; a ``RowParallel`` weight's output is summed over the ranks."""
+        """``LlamaModel.linear``; a ``RowParallel`` weight's output is summed over the ranks.
+
+        At the last one of a forward given ``ride=``, the verdict flags ride along (``VerdictRide``).
+        """
         if not isinstance(w, RowParallel):
             return super().linear(x, w)
         y = super().linear(x, w.weight)
+        ride = self._ride if w is self._last_reduce else None
+        if ride is not None:
+            self._ride = None
+            y = ride.board(y)
         if self.world > 1:
             dist.all_reduce(y, group=self.group)
-        return y
+        return y if ride is None else ride.land(y)
+
+    def decode(self, tokens, positions, kv, block_table, write_slots, *, ride=None) -> torch.Tensor:
+        """``LlamaModel.decode``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
+        return self._carrying(ride, super().decode, tokens, positions, kv, block_table, write_slots)
+
+    def prefill(self, tokens, start_pos, kv, page_row, write_slots, *, last_only=False, ride=None) -> torch.Tensor:
+        """``LlamaModel.prefill``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
+        return self._carrying(ride, super().prefill, tokens, start_pos, kv, page_row, write_slots,
+                              last_only=last_only)
+
+    def _carrying(self, ride, forward, *args, **kwargs) -> torch.Tensor:
+        if ride is None:
+            return forward(*args, **kwargs)
+        self._ride = ride
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            left, self._ride = self._ride, None
+        if left is not None:
+            raise RuntimeError("TPLlamaModel: the verdict ride found no all-reduce to board")
+        return out
 
 
 @lru_cache(maxsize=8)
@@ -161,11 +200,55 @@ class TPEngine(Engine):
             raise ConfigError("TPEngine supports memory='native' without phase_split")
         self.group, self.verify_schedule = group, verify_schedule
         self.tp_rank, self.tp_world = dist.get_rank(group), dist.get_world_size(group)
+        self._ride = None  # the last check's VerdictRide, until a forward carries it
+        self.verdict_checks = 0  # checks launched (validate returned a check)
+        self.verdict_rides = 0  # of those, checks whose verdict rode a forward's all-reduce (piggyback)
         super().__init__(config, tracker, observers)
 
     def _load_model(self):
         c = self.config
         return load_tp_model(c.model, c.weight_dtype, c.backend, c.device, c.seed, self.group), None
+
+    # -- verdict piggyback: the check's ride goes to the last forward after it -----------------------
+    def _validate(self, block, rows, n_entries, batch, positions_read):
+        check = super()._validate(block, rows, n_entries, batch, positions_read)
+        self.verdict_checks += check is not None
+        self._ride = getattr(check, "ride", None)
+        return check
+
+    def _take_ride(self):
+        ride, self._ride = self._ride, None
+        return ride
+
+    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None) -> torch.Tensor:
+        ride = self._take_ride()
+        if ride is None:
+            return super()._prefill_forward(tokens, start, page_row, slots, model, kv)
+        model = self.model if model is None else model
+        kv = self.kv if kv is None else kv
+        self.verdict_rides += 1
+        if not self.config.batch_invariant:
+            return model.prefill(tokens, start, kv, page_row, slots, last_only=True, ride=ride)
+        n = tokens.numel()  # token by token, as Engine._prefill_forward; the last call carries the ride
+        for t in range(n):
+            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True,
+                                   ride=ride if t == n - 1 else None)
+        return logits
+
+    def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
+        ride = self._take_ride()
+        if ride is not None and getattr(self, "graphs", None) is not None:
+            ride.combine()  # engine-level decode graphs take no ride: the verdict's own all-reduce instead
+            ride = None
+        if ride is None:
+            return super()._decode_forward(tokens, positions, block, slots)
+        self.verdict_rides += 1
+        if not self.config.batch_invariant:
+            return self.model.decode(tokens, positions, self.kv, block, slots, ride=ride)
+        n = tokens.numel()  # row by row, as Engine._decode_forward; the last row's call carries all B flags
+        return torch.cat([self.model.decode(tokens[b:b + 1], positions[b:b + 1], self.kv, block[b:b + 1],
+                                            slots[b:b + 1], ride=ride if b == n - 1 else None)
+                          for b in range(n)])
 
     def step(self):
         """``Engine.step``, after checking that every rank schedules the same step."""
@@ -182,4 +265,6 @@ class TPEngine(Engine):
             raise ScheduleDivergence(f"rank {self.tp_rank}: schedulers diverged before step {self.step_id + 1}")
 
     def _collective_device(self) -> torch.device:
+        """Where the scheduler check's tensor lives: the GPU for NCCL; the host for gloo (also on CUDA:
+        the value is read on the host right after, and gloo would stage a CUDA tensor through it anyway)."""
         return torch.device(self.config.device) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
