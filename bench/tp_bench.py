@@ -143,7 +143,8 @@ def bench_overhead(model, batch, args, dev, backend) -> dict:
         graphs = {n: capture(fn) for n, fn in steps.items()}
         for n, (g, out) in graphs.items():
             g.replay()  # a captured graph's outputs hold values only once it has run
-            first[n] = out
+            # copies: verdict_agreement below replays the graphs with a fault, overwriting `out`
+            first[n] = tuple(None if x is None else x.clone() for x in out)
         torch.cuda.synchronize()
         times = interleaved({n: g for n, (g, _) in graphs.items()}, args.pairs)
         run = {n: (lambda g=g, out=out: (g.replay(), out)[1]) for n, (g, out) in graphs.items()}
