@@ -2,8 +2,8 @@
 
     python bench/kv_layouts.py --positions 2000 --out bench/results/kv_layouts.json
 
-Rows "fp8" and "fp8 + Hadamard K" run the real FP8 cache (`faultlab eval-kv` with and without
-`--no-rotate-k`). The other rows are *simulations*: the test cache is float32 and every K/V vector is
+Rows "fp8" and "fp8 + Hadamard K" run the real FP8 cache (`faultlab eval-kv` without and with
+`--rotate-k`). The other rows are *simulations*: the test cache is float32 and every K/V vector is
 rounded through the layout's formats on its way in (`fp8(x)` = e4m3 round trip at scale 1, which for
 e4m3 equals any per-layer scale: its precision is relative), so they measure accuracy only, not
 speed. `capacity` is tokens per byte relative to BF16 (2.0 = the write-up's "about 2x").
@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(2)
     rows = []
     runs = [("fp8 (per-layer scale)", 2.0, lambda: evalkv.eval_kv(n_positions=args.positions, rotate_k=False)),
-            ("fp8 + Hadamard K (default)", 2.0, lambda: evalkv.eval_kv(n_positions=args.positions, rotate_k=True)),
+            ("fp8 + Hadamard K (opt-in)", 2.0, lambda: evalkv.eval_kv(n_positions=args.positions, rotate_k=True)),
             ("bf16 vs fp32 (noise floor)", 1.0,
              lambda: evalkv.eval_kv(n_positions=args.positions, ref_kv="fp32", test_kv="bf16"))]
     runs += [(name, spec[3], lambda name=name: simulated(name, args.positions)) for name, spec in SIMULATED.items()]

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval-kv", help="FP8 vs BF16 KV: top-1 agreement and KL on real text")
     ev.add_argument("--model", default="smollm2")
     ev.add_argument("--positions", type=int, default=2000)
-    ev.add_argument("--no-rotate-k", dest="rotate_k", action="store_false", default=None,
-                    help="FP8 without the Hadamard K rotation (the plain e4m3 layout)")
+    ev.add_argument("--rotate-k", action="store_true",
+                    help="the FP8 cache with its opt-in Hadamard K rotation (engine.kv_rotate_k)")
     ev.add_argument("--json", dest="json_out")
     return parser
 

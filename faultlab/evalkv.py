@@ -55,7 +55,7 @@ def _page_row(n_tokens: int, page_size: int, device) -> torch.Tensor:
 
 
 def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int,
-                   rotate_k: bool | None = None):
+                   rotate_k: bool = False):
     """Logits float32 [T, V] of one window fed chunk by chunk into a fresh cache of `kv_dtype`."""
     c, device = model.config, tokens.device
     page_row = _page_row(tokens.numel(), page_size, device)
@@ -91,11 +91,11 @@ def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]
 
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
-            backend: str = "torch", device: str = "cpu", rotate_k: bool | None = None) -> dict:
+            backend: str = "torch", device: str = "cpu", rotate_k: bool = False) -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
-    `rotate_k` is the test cache's Hadamard K rotation (None: the cache's default, on for FP8); the
-    reference cache never rotates.
+    `rotate_k` turns on the test cache's Hadamard K rotation (`PagedKVCache`); the reference cache
+    never rotates.
     Returns {"positions", "top1_agreement", "mean_kl", "max_kl", "ppl_ref", "ppl_test"}: KL(p_ref || p_test)
     in nats per position, and the perplexity of the text under each cache (for scale).
     """
@@ -115,15 +115,10 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
         for key, value in _compare(ref, test, tokens[chunk + 1:]).items():
             totals[key] = max(totals.get(key, 0.0), value) if key == "max_kl" else totals.get(key, 0) + value
     return {"positions": n_positions, "test_kv": test_kv, "ref_kv": ref_kv,
-            "rotate_k": _window_rotation(test_kv, rotate_k, model), "top1_agreement": totals["agree"] / n_positions,
+            "rotate_k": rotate_k, "top1_agreement": totals["agree"] / n_positions,
             "mean_kl": totals["kl"] / n_positions, "max_kl": totals["max_kl"],
             "ppl_ref": math.exp(totals["nll_ref"] / totals["n_nll"]),
             "ppl_test": math.exp(totals["nll_test"] / totals["n_nll"])}
-
-
-def _window_rotation(kv_dtype: str, rotate_k: bool | None, model: LlamaModel) -> bool:
-    c = model.config
-    return PagedKVCache(1, 1, 1, c.n_kv_heads, c.head_dim, kv_dtype, rotate_k=rotate_k).rotate_k
 
 
 def main() -> None:

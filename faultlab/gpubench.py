@@ -99,13 +99,13 @@ def interleaved(graphs: dict, pairs: int) -> dict:
 class DecodeState:
     """B requests at context ``ctx`` on scattered pages, with their expected tags recorded."""
 
-    def __init__(self, model, batch, ctx, page_size, kv_dtype, dev, backend, seed=0):
+    def __init__(self, model, batch, ctx, page_size, kv_dtype, dev, backend, seed=0, rotate_k=None):
         c = model.config
         self.ps, self.batch = page_size, batch
         self.width = -(-(ctx + 1) // page_size)
         num_pages = batch * self.width
         self.kv = PagedKVCache(c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim, dtype=kv_dtype,
-                               device=dev, backend=backend)
+                               device=dev, backend=backend, rotate_k=rotate_k)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         pages = (torch.randperm(num_pages, generator=gen) + 1).view(batch, self.width)  # scattered pages
         self.table = pages.to(dev, torch.int32)

@@ -140,3 +140,20 @@ def test_bad_config_names_the_field():
 
 def test_noop_tracker_is_the_default():
     assert isinstance(Engine(TINY).tracker, NoopTracker)
+
+
+def test_rotated_k_cache_runs_the_engine_without_aborts():
+    """engine.kv_rotate_k: the decode cache stores Hadamard-rotated K; a tracked fault-free run finishes
+    every request, and greedy outputs match the plain FP8 layout for most requests (both are FP8)."""
+    import dataclasses
+
+    outputs = []
+    for rotate in (False, True):
+        engine = Engine(dataclasses.replace(TINY, kv_rotate_k=rotate), tracker=checking_tracker())
+        assert engine.kv.rotate_k is rotate
+        for r in random_requests(8, seed=2):
+            engine.add_request(r)
+        events = engine.run()
+        assert not [e for e in events if e.kind == "abort"] and len(engine.done) == 8
+        outputs.append({r.rid: r.output for r in engine.done})
+    assert sum(outputs[0][k] == outputs[1][k] for k in outputs[0]) >= 4

@@ -43,6 +43,7 @@ class EngineConfig:
 
     model: str = "tiny"
     kv_dtype: str = "fp8"
+    kv_rotate_k: bool = False  # Hadamard-rotated K in the decode cache (PagedKVCache.rotate_k)
     weight_dtype: str = "int4"
     page_size: int = 16
     kv_budget_mb: float = 4.0  # KV memory; pages = budget / page bytes (FP8 fits ~2x BF16)
@@ -152,7 +153,8 @@ class Engine:
 
             return build_sglang_kv(self, num_pages)
         return PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
-                            dtype=config.kv_dtype, device=config.device, backend=config.backend)
+                            dtype=config.kv_dtype, device=config.device, backend=config.backend,
+                            rotate_k=config.kv_rotate_k)
 
     def _build_memory(self, num_pages: int):
         listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]

@@ -124,18 +124,19 @@ class PagedKVCache:
     Page 0 is scratch and pages past `num_pages` are guard pages; both hold seeded garbage.
     FP8 stores `(x / scale)` with one scalar scale per layer for K and one for V.
 
-    `rotate_k` (default: on for FP8 when head_dim is a power of 2) stores every K head vector
-    rotated by the orthonormal Hadamard matrix H: pages hold `k @ H`, decode attention scores
-    `(q @ H) . (k @ H) = q . k`, and `gather` returns `k @ H @ H = k`. Exact in real arithmetic; in
-    e4m3 it spreads RoPE'd K's outlier channels over the whole head, which halves the FP8 error of
-    the attention scores (docs/structures.md, "FP8 KV layout").
+    `rotate_k` (opt-in; head_dim a power of 2) stores every K head vector rotated by the
+    orthonormal Hadamard matrix H: pages hold `k @ H`, decode attention scores `(q @ H) . (k @ H)
+    = q . k`, and `gather` returns `k @ H @ H = k`. Exact in real arithmetic; in e4m3 it spreads
+    RoPE'd K's outlier channels over the whole head, which cuts SmolLM2's FP8 KL by 40%. Off by
+    default: the rotation runs as separate torch ops around the kernels and costs decode time
+    (docs/structures.md, "FP8 KV layout", has both measurements).
     """
 
     def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
                  dtype: str = "bf16", device="cpu", backend: str = "torch", guard_pages: int = 4,
                  k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0,
                  buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                 rotate_k: bool | None = None):
+                 rotate_k: bool = False):
         _check_choice("kv dtype", dtype, KV_DTYPES)
         _check_choice("backend", backend, BACKENDS)
         if num_pages < 1 or page_size < 1 or guard_pages < 0:
@@ -158,8 +159,6 @@ class PagedKVCache:
         self.k, self.v = _checked_buffers(buffers, n_layers, shape, self.torch_dtype)
         self._fill_garbage()
         fp8 = dtype == "fp8"
-        if rotate_k is None:
-            rotate_k = fp8 and head_dim & (head_dim - 1) == 0
         self.rotate_k = bool(rotate_k)
         self.k_rotation = hadamard(head_dim, self.device) if self.rotate_k else None  # [D, D]
         self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
@@ -176,7 +175,7 @@ class PagedKVCache:
     @classmethod
     def over_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], dtype: str, *, backend: str = "torch",
                      guard_pages: int = 4, k_scale: float | Sequence[float] = 1.0,
-                     v_scale: float | Sequence[float] = 1.0, rotate_k: bool | None = None) -> "PagedKVCache":
+                     v_scale: float | Sequence[float] = 1.0, rotate_k: bool = False) -> "PagedKVCache":
         """A cache over existing per-layer K/V tensors (no copy), e.g. views of SGLang's MHATokenToKVPool.
 
         Each tensor is `[num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]` of the dtype's
