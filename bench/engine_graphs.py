@@ -21,20 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from faultlab.chaos import checking_tracker  # noqa: E402
 from faultlab.engine.engine import Engine, EngineConfig  # noqa: E402
-from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.engine.config import get_preset  # noqa: E402
+from faultlab.engine.kvcache import token_bytes  # noqa: E402
 from faultlab.engine.requests import Request  # noqa: E402
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+from faultlab.gpubench import pct  # noqa: E402
 
 
 def make_engine(args, batch: int, graphs: bool) -> Engine:
     mc = get_preset(args.model)
     tokens = batch * (args.prompt + args.steps + args.warmup + 8 + 2 * args.page_size)
-    from faultlab.engine.kvcache import token_bytes
     budget_mb = (tokens * token_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, "fp8") + (6 << 20)) / 2**20 * 1.1
     config = EngineConfig(model=args.model, kv_dtype="fp8", weight_dtype="int4", page_size=args.page_size,
                           kv_budget_mb=budget_mb, max_running=batch, max_context=args.prompt + args.steps + 64,
@@ -72,8 +67,7 @@ def run_batch(args, batch: int) -> dict:
     row["buckets_captured"] = len(engines["graphs"].graphs.buckets)
     same = sum(a.output == b.output for a, b in zip(engines["eager"].running, engines["graphs"].running))
     row["identical_outputs"] = f"{same}/{batch}"
-    for e in engines.values():
-        del e
+    engines.clear()
     torch.cuda.empty_cache()
     return row
 

@@ -159,7 +159,6 @@ def bench_overhead(model, batch, args, dev, backend) -> dict:
     row = {"concurrency": batch, "page_size": args.page_size, "context": args.ctx, "kv_dtype": args.kv_dtype,
            "replays_per_variant": args.pairs, "timing": "eager" if args.eager else "cuda_graph",
            "tokens_differing_from_noop": mismatch, "verdict_on_rank0_fault": agree, **summary(times)}
-    del state
     return row
 
 
