@@ -324,28 +324,38 @@ class Engine:
         """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's)."""
         model = self.model if model is None else model
         kv = self.kv if kv is None else kv
+        last = self._last_forward_kwargs(graphed=False)
         if not self.config.batch_invariant:
-            return model.prefill(tokens, start, kv, page_row, slots, last_only=True)
+            return model.prefill(tokens, start, kv, page_row, slots, last_only=True, **last)
         # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
         # the prefix came from the prefix cache, and every GEMM has one row: a prompt's logits do not
         # depend on cache hits or on the shape of the prefill.
-        for t in range(tokens.numel()):
-            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True)
+        n = tokens.numel()
+        for t in range(n):
+            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True,
+                                   **(last if t == n - 1 else {}))
         return logits
 
     def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
+        last = self._last_forward_kwargs(graphed=self.graphs is not None)
         if not self.config.batch_invariant:
-            return self._decode_rows(tokens, positions, block, slots)
+            return self._decode_rows(tokens, positions, block, slots, **last)
         # NOTE: row by row, each request's logits are bit-identical whatever else is in the batch, so
         # a chaos run can compare every non-victim's output with the fault-free run token for token.
-        return torch.cat([self._decode_rows(tokens[b:b + 1], positions[b:b + 1], block[b:b + 1], slots[b:b + 1])
-                          for b in range(tokens.numel())])
+        n = tokens.numel()
+        return torch.cat([self._decode_rows(tokens[b:b + 1], positions[b:b + 1], block[b:b + 1], slots[b:b + 1],
+                                            **(last if b == n - 1 else {})) for b in range(n)])
 
-    def _decode_rows(self, tokens, positions, block, slots) -> torch.Tensor:
+    def _decode_rows(self, tokens, positions, block, slots, **last) -> torch.Tensor:
         """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
         if self.graphs is not None:
             return self.graphs(tokens, positions, block, slots)
-        return self.model.decode(tokens, positions, self.kv, block, slots)
+        return self.model.decode(tokens, positions, self.kv, block, slots, **last)
+
+    def _last_forward_kwargs(self, graphed: bool) -> dict:
+        """Extra keyword arguments for the last model call of a forward (none here; a TP rank's verdict
+        ride, engine/tp.py). ``graphed``: that call is a CUDA-graph replay, which takes none."""
+        return {}
 
     # -- shared step pieces ------------------------------------------------------------------------
     def _validate(self, block, rows, n_entries, batch, positions_read):

@@ -216,39 +216,17 @@ class TPEngine(Engine):
         self._ride = getattr(check, "ride", None)
         return check
 
-    def _take_ride(self):
+    def _last_forward_kwargs(self, graphed: bool) -> dict:
+        """The last check's ride, for the forward's last model call (batch-invariant row by row: the last
+        row's call carries all B flags); a graph replay takes no ride: the verdict's own all-reduce."""
         ride, self._ride = self._ride, None
-        return ride
-
-    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None) -> torch.Tensor:
-        ride = self._take_ride()
         if ride is None:
-            return super()._prefill_forward(tokens, start, page_row, slots, model, kv)
-        model = self.model if model is None else model
-        kv = self.kv if kv is None else kv
+            return {}
+        if graphed:
+            ride.combine()
+            return {}
         self.verdict_rides += 1
-        if not self.config.batch_invariant:
-            return model.prefill(tokens, start, kv, page_row, slots, last_only=True, ride=ride)
-        n = tokens.numel()  # token by token, as Engine._prefill_forward; the last call carries the ride
-        for t in range(n):
-            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True,
-                                   ride=ride if t == n - 1 else None)
-        return logits
-
-    def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
-        ride = self._take_ride()
-        if ride is not None and getattr(self, "graphs", None) is not None:
-            ride.combine()  # engine-level decode graphs take no ride: the verdict's own all-reduce instead
-            ride = None
-        if ride is None:
-            return super()._decode_forward(tokens, positions, block, slots)
-        self.verdict_rides += 1
-        if not self.config.batch_invariant:
-            return self.model.decode(tokens, positions, self.kv, block, slots, ride=ride)
-        n = tokens.numel()  # row by row, as Engine._decode_forward; the last row's call carries all B flags
-        return torch.cat([self.model.decode(tokens[b:b + 1], positions[b:b + 1], self.kv, block[b:b + 1],
-                                            slots[b:b + 1], ride=ride if b == n - 1 else None)
-                          for b in range(n)])
+        return {"ride": ride}
 
     def step(self):
         """``Engine.step``, after checking that every rank schedules the same step."""
