@@ -8,7 +8,7 @@ from faultlab.chaos import checking_tracker
 from faultlab.engine.cuda_graphs import GraphedDecode, bucket
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from kvguard.kernels.testing import assert_close
-from workloads import random_requests
+from workloads import clean_outputs, random_requests
 
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=6,
                     batch_invariant=False)
@@ -90,11 +90,7 @@ def test_engine_outputs_are_the_same_through_eager_buckets(batch_invariant):
         if graphs:
             engine.graphs = GraphedDecode(engine.model, engine.kv, TINY.max_running, engine.max_pages, capture=False)
             engine.graphs._forward = _aliasing(engine.graphs)
-        for r in random_requests(10, seed=4):
-            engine.add_request(r)
-        events = engine.run()
-        assert not [e for e in events if e.kind == "abort"]
-        outputs.append({r.rid: r.output for r in engine.done})
+        outputs.append(clean_outputs(engine, random_requests(10, seed=4)))
     assert outputs[0] == outputs[1]
 
 
@@ -104,11 +100,7 @@ def test_captured_graphs_match_eager_engine_on_gpu():
     outputs = []
     for graphs in (False, True):
         engine = Engine(dataclasses.replace(config, cuda_graphs=graphs), tracker=checking_tracker())
-        for r in random_requests(10, seed=4):
-            engine.add_request(r)
-        events = engine.run()
-        assert not [e for e in events if e.kind == "abort"]
-        outputs.append({r.rid: r.output for r in engine.done})
+        outputs.append(clean_outputs(engine, random_requests(10, seed=4)))
         if graphs:
             assert engine.graphs.replays > 0 and engine.graphs.buckets
     same = sum(outputs[0][k] == outputs[1][k] for k in outputs[0])

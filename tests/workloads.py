@@ -14,3 +14,12 @@ def random_requests(n: int, seed: int, prefix_len: int = 32, shared: float = 0.5
         tokens = [rng.randrange(3, 256) for _ in range(rng.randint(4, 30))]
         out.append(Request(f"r{i}", (prefix + tokens) if rng.random() < shared else tokens, rng.randint(*max_new)))
     return out
+
+
+def clean_outputs(engine, requests) -> dict:
+    """Run ``requests`` to the end on ``engine``; assert no abort; {rid: output tokens} of the finished."""
+    for r in requests:
+        engine.add_request(r)
+    events = engine.run()
+    assert not [e for e in events if e.kind == "abort"]
+    return {r.rid: r.output for r in engine.done}
