@@ -38,6 +38,7 @@ class _Bucket:
     positions: torch.Tensor  # long [Bb]
     block: torch.Tensor  # int32 [Bb, Wb]
     slots: torch.Tensor  # long [Bb]
+    rows: torch.Tensor  # long [Bb]: request rows (the K residual reads them)
     out: torch.Tensor | None = None  # float32 [Bb, vocab], the graph's output
     graph: "torch.cuda.CUDAGraph | None" = None
 
@@ -62,11 +63,11 @@ class GraphedDecode:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor,
-                 slots: torch.Tensor) -> torch.Tensor:
+                 slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         b, w = block.shape
         key = (bucket(b, self.max_batch), bucket(w, self.max_pages))
         buf = self.buckets.get(key) or self._build(key)
-        self._fill(buf, tokens, positions, block, slots)
+        self._fill(buf, tokens, positions, block, slots, rows)
         if buf.graph is None:  # eager (capture=False)
             buf.out = self._forward(buf)
         else:
@@ -75,14 +76,20 @@ class GraphedDecode:
         return buf.out[:b].clone()
 
     def _forward(self, buf: _Bucket) -> torch.Tensor:
-        return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots)
+        rows = {} if self.kv.k_residual is None else {"rows": buf.rows}
+        return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots, **rows)
 
-    @staticmethod
-    def _fill(buf: _Bucket, tokens, positions, block, slots) -> None:
+    def _pad_row(self) -> int:
+        """The request row of padding rows: the K residual's scratch row (no request owns it)."""
+        return 0 if self.kv.k_residual is None else self.kv.k_residual.rows
+
+    def _fill(self, buf: _Bucket, tokens, positions, block, slots, rows) -> None:
         b, w = block.shape
         buf.tokens[:b].copy_(tokens)
         buf.positions[:b].copy_(positions)
         buf.slots[:b].copy_(slots)
+        buf.rows[:b].copy_(rows)
+        buf.rows[b:].fill_(self._pad_row())
         buf.block[:b, :w].copy_(block)
         # NOTE: rows and columns past this step's shape go back to padding: a previous, larger step
         # left its own rows there, and a padding row must not write into a page someone owns.
@@ -98,7 +105,8 @@ class GraphedDecode:
         buf = _Bucket(tokens=torch.zeros(bb, dtype=torch.long, device=dev),
                       positions=torch.zeros(bb, dtype=torch.long, device=dev),
                       block=torch.zeros(bb, wb, dtype=torch.int32, device=dev),
-                      slots=torch.full((bb,), self.PAD_SLOT, dtype=torch.long, device=dev))
+                      slots=torch.full((bb,), self.PAD_SLOT, dtype=torch.long, device=dev),
+                      rows=torch.full((bb,), self._pad_row(), dtype=torch.long, device=dev))
         if self.capture:  # all rows are padding now: warm-up and capture write scratch slot 0 only
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))

@@ -16,7 +16,7 @@ import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
-from .kvcache import PagedKVCache
+from .kvcache import KResidualLayout, PagedKVCache
 from .memory import PageAllocator, ReqToPagePool
 from .radix import RadixCache
 from .requests import Event, Request
@@ -44,6 +44,9 @@ class EngineConfig:
     model: str = "tiny"
     kv_dtype: str = "fp8"
     kv_rotate_k: bool = False  # Hadamard-rotated K in the decode cache (PagedKVCache.rotate_k)
+    kv_k_residual: bool = False  # FP8 K at ~BF16 precision for each request's first/last tokens
+    kv_residual_sink: int = 16  # tokens at the start of each request that keep their K residual
+    kv_residual_window: int = 128  # most recent tokens of each request that keep their K residual
     weight_dtype: str = "int4"
     page_size: int = 16
     kv_budget_mb: float = 4.0  # KV memory; pages = budget / page bytes (FP8 fits ~2x BF16)
@@ -78,6 +81,12 @@ class EngineConfig:
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.backend != "triton"):
             raise ConfigError(f"engine.cuda_graphs needs device 'cuda' and backend 'triton', got device "
                               f"{self.device!r}, backend {self.backend!r}")
+        if self.kv_k_residual and (self.kv_dtype != "fp8" or self.phase_split):
+            raise ConfigError(f"engine.kv_k_residual needs kv_dtype 'fp8' and no phase_split, got kv_dtype "
+                              f"{self.kv_dtype!r}, phase_split {self.phase_split}")
+        if self.kv_residual_sink < 0 or self.kv_residual_window < 1:
+            raise ConfigError(f"engine.kv_residual_sink must be >= 0 and engine.kv_residual_window >= 1, got "
+                              f"{self.kv_residual_sink}, {self.kv_residual_window}")
         if self.transfer_lag < 1:
             raise ConfigError(f"engine.transfer_lag must be >= 1 (steps in flight), got {self.transfer_lag}")
 
@@ -119,9 +128,16 @@ class Engine:
         mc = self.model.config
         self.page_size = config.page_size
         self.max_pages = -(-min(config.max_context, mc.max_context) // config.page_size)
+        self.k_residual = None
+        if config.kv_k_residual:
+            self.k_residual = KResidualLayout.of(config.max_running, config.page_size, config.kv_residual_sink,
+                                                 config.kv_residual_window)
+        # NOTE: the K residual's pages come out of the same budget, so FP8 + residual is compared
+        # with BF16 at equal memory.
+        residual = PagedKVCache.residual_bytes(self.k_residual, mc.n_layers, mc.n_kv_heads, mc.head_dim)
         num_pages = config.num_pages or PagedKVCache.pages_for_budget(
-            int(config.kv_budget_mb * 2**20), mc.n_layers, config.page_size, mc.n_kv_heads, mc.head_dim,
-            config.kv_dtype)
+            int(config.kv_budget_mb * 2**20) - residual, mc.n_layers, config.page_size, mc.n_kv_heads,
+            mc.head_dim, config.kv_dtype)
         self.kv = self._build_kv(num_pages)
         self.graphs = None
         if config.cuda_graphs:
@@ -154,7 +170,7 @@ class Engine:
             return build_sglang_kv(self, num_pages)
         return PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
                             dtype=config.kv_dtype, device=config.device, backend=config.backend,
-                            rotate_k=config.kv_rotate_k)
+                            rotate_k=config.kv_rotate_k, k_residual=self.k_residual)
 
     def _build_memory(self, num_pages: int):
         listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]
@@ -265,6 +281,7 @@ class Engine:
         """A row, the cached prefix and fresh pages for the prompt: (pages in all, the fresh pages)."""
         ps = self.page_size
         request.row = self.req_pool.alloc_row()
+        self.kv.reset_residual(request.row)
         request.nodes = self.cache.match(request.prompt, max_pages=(len(request.prompt) - 1) // ps)
         self.cache.lock(request.nodes)
         request.n_shared = len(request.nodes)
@@ -287,7 +304,8 @@ class Engine:
         check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
         slots = self._write_slots(block, torch.zeros_like(positions), positions)
         slots = self._emit_writes([request] * len(positions), positions, slots)
-        logits = self._prefill_forward(torch.tensor(request.prompt[start:], device=self.device), start, block[0], slots)
+        logits = self._prefill_forward(torch.tensor(request.prompt[start:], device=self.device), start, block[0], slots,
+                                       row=request.row)
         self._finish_step([request], logits, check, events)
 
     # -- decode ------------------------------------------------------------------------------------
@@ -308,7 +326,7 @@ class Engine:
         slots = self._write_slots(block, torch.arange(len(batch), device=self.device), positions)
         slots = self._emit_writes(batch, positions, slots)
         tokens = torch.tensor([r.tokens[-1] for r in batch], device=self.device)
-        logits = self._decode_forward(tokens, positions, block, slots)
+        logits = self._decode_forward(tokens, positions, block, slots, rows)
         self._finish_step(batch, logits, check, events)
 
     def _grow(self, batch: list[Request]) -> None:
@@ -320,11 +338,16 @@ class Engine:
         for i, (request, page) in enumerate(zip(growing, pages)):
             self._grant(request, request.n_pages, page.view(1), None if fresh is None else fresh[i:i + 1])
 
-    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None) -> torch.Tensor:
-        """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's)."""
+    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None, row=None) -> torch.Tensor:
+        """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's);
+        ``row``: the request's row (a K residual needs it)."""
         model = self.model if model is None else model
         kv = self.kv if kv is None else kv
         last = self._last_forward_kwargs(graphed=False)
+        if row is not None and kv.k_residual is not None:
+            last, row_kw = {**last, "row": row}, {"row": row}
+        else:
+            row_kw = {}
         if not self.config.batch_invariant:
             return model.prefill(tokens, start, kv, page_row, slots, last_only=True, **last)
         # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
@@ -333,23 +356,25 @@ class Engine:
         n = tokens.numel()
         for t in range(n):
             logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True,
-                                   **(last if t == n - 1 else {}))
+                                   **(last if t == n - 1 else row_kw))
         return logits
 
-    def _decode_forward(self, tokens, positions, block, slots) -> torch.Tensor:
+    def _decode_forward(self, tokens, positions, block, slots, rows) -> torch.Tensor:
         last = self._last_forward_kwargs(graphed=self.graphs is not None)
         if not self.config.batch_invariant:
-            return self._decode_rows(tokens, positions, block, slots, **last)
+            return self._decode_rows(tokens, positions, block, slots, rows, **last)
         # NOTE: row by row, each request's logits are bit-identical whatever else is in the batch, so
         # a chaos run can compare every non-victim's output with the fault-free run token for token.
         n = tokens.numel()
         return torch.cat([self._decode_rows(tokens[b:b + 1], positions[b:b + 1], block[b:b + 1], slots[b:b + 1],
-                                            **(last if b == n - 1 else {})) for b in range(n)])
+                                            rows[b:b + 1], **(last if b == n - 1 else {})) for b in range(n)])
 
-    def _decode_rows(self, tokens, positions, block, slots, **last) -> torch.Tensor:
+    def _decode_rows(self, tokens, positions, block, slots, rows, **last) -> torch.Tensor:
         """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
         if self.graphs is not None:
-            return self.graphs(tokens, positions, block, slots)
+            return self.graphs(tokens, positions, block, slots, rows)
+        if self.kv.k_residual is not None:
+            last = {**last, "rows": rows}
         return self.model.decode(tokens, positions, self.kv, block, slots, **last)
 
     def _last_forward_kwargs(self, graphed: bool) -> dict:

@@ -140,12 +140,12 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.sm_scale)
         return out.permute(2, 0, 1, 3).flatten(1)  # [T, Hq * D]
 
-    def _prefill_layer(self, i: int, x, rot, start_pos, kv, page_row, write_slots):
+    def _prefill_layer(self, i: int, x, rot, start_pos, kv, page_row, write_slots, row, res_slots):
         layer = self.layers[i]
         q, k, v = self._qkv(layer, x, rot)
-        kv.store(i, k, v, write_slots)
+        kv.store(i, k, v, write_slots, res_slots)
         if start_pos > 0:  # the cached prefix, dequantized from the pages
-            k_old, v_old = kv.gather(i, page_row, start_pos)
+            k_old, v_old = kv.gather(i, page_row, start_pos, row=row, length=start_pos + x.shape[0])
             k = torch.cat([k_old.to(k.dtype), k])
             v = torch.cat([v_old.to(v.dtype), v])
         x = x + self.linear(self._prefill_attention(q, k, v, start_pos), layer.wo)
@@ -153,39 +153,48 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_pos: int, kv: PagedKVCache, page_row: torch.Tensor,
-                write_slots: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+                write_slots: torch.Tensor, *, last_only: bool = False, row: int | None = None) -> torch.Tensor:
         """Run tokens [T] at positions start_pos..start_pos+T-1 -> logits float32 [T, vocab].
 
         Positions < start_pos are read from `kv` through page_row (int32 [P]); the new K/V are stored
         at write_slots (long [T]) and attended with their fresh (unquantized) values, causally.
-        `last_only` returns the logits of the last token only ([1, vocab]).
+        `last_only` returns the logits of the last token only ([1, vocab]). `row`: the request's row,
+        which a cache with a K residual needs (`PagedKVCache.k_residual`).
         """
         t = tokens.shape[0]
         self._check_positions(start_pos + t - 1)
         rot = self.rot[start_pos:start_pos + t]  # [T, D/2]
         x = self._embed(tokens)
+        res_slots = None
+        if kv.k_residual is not None:
+            positions = torch.arange(start_pos, start_pos + t, device=tokens.device)
+            rows = torch.full_like(positions, -1 if row is None else row)
+            res_slots = kv.residual_slots(None if row is None else rows, positions,
+                                          torch.full_like(positions, start_pos + t))
         for i in range(len(self.layers)):
-            x = self._prefill_layer(i, x, rot, start_pos, kv, page_row, write_slots)
+            x = self._prefill_layer(i, x, rot, start_pos, kv, page_row, write_slots, row, res_slots)
         return self._logits(x[-1:] if last_only else x)
 
     # ---- decode --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
-               block_table: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+               block_table: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of B requests -> logits float32 [B, vocab].
 
         tokens [B] at positions [B] (long); their K/V are stored at write_slots [B] (long), then paged
-        decode attention reads block_table (int32 [B, P]) over seq_lens = positions + 1.
+        decode attention reads block_table (int32 [B, P]) over seq_lens = positions + 1. `rows` [B]: the
+        requests' rows, which a cache with a K residual needs (`PagedKVCache.k_residual`).
         """
         if positions.device.type == "cpu":  # no host sync on an accelerator
             self._check_positions(int(positions.max()))
         seq_lens = (positions + 1).to(torch.int32)
-        plan = kv.decode_plan(block_table, seq_lens)  # shared by every layer
+        plan = kv.decode_plan(block_table, seq_lens, rows)  # shared by every layer
+        res_slots = kv.residual_slots(rows, positions, seq_lens)
         rot, x = self.rot[positions], self._embed(tokens)  # [B, D/2], [B, hidden]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rot)
-            kv.store(i, k, v, write_slots)
+            kv.store(i, k, v, write_slots, res_slots)
             attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale, plan)  # [B, Hq, D]
             x = x + self.linear(attn.reshape(attn.shape[0], -1).to(self.act_dtype), layer.wo)
             x = x + self._mlp(layer, x)

@@ -146,14 +146,15 @@ class TPLlamaModel(LlamaModel):
             dist.all_reduce(y, group=self.group)
         return y if ride is None else ride.land(y)
 
-    def decode(self, tokens, positions, kv, block_table, write_slots, *, ride=None) -> torch.Tensor:
+    def decode(self, tokens, positions, kv, block_table, write_slots, *, rows=None, ride=None) -> torch.Tensor:
         """``LlamaModel.decode``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
-        return self._carrying(ride, super().decode, tokens, positions, kv, block_table, write_slots)
+        return self._carrying(ride, super().decode, tokens, positions, kv, block_table, write_slots, rows=rows)
 
-    def prefill(self, tokens, start_pos, kv, page_row, write_slots, *, last_only=False, ride=None) -> torch.Tensor:
+    def prefill(self, tokens, start_pos, kv, page_row, write_slots, *, last_only=False, row=None,
+                ride=None) -> torch.Tensor:
         """``LlamaModel.prefill``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
         return self._carrying(ride, super().prefill, tokens, start_pos, kv, page_row, write_slots,
-                              last_only=last_only)
+                              last_only=last_only, row=row)
 
     def _carrying(self, ride, forward, *args, **kwargs) -> torch.Tensor:
         if ride is None:
