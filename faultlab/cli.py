@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", default="int4", choices=("int4", "bf16", "fp32"))
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument("--kv-residual", action="store_true",
+                     help="FP8 K/V at ~BF16 precision for the first and most recent tokens (engine.kv_residual)")
     bench = sub.add_parser("bench", help="GPU benchmarks (H200): tracker overhead and the write-up's claims",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -63,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--positions", type=int, default=2000)
     ev.add_argument("--rotate-k", action="store_true",
                     help="the FP8 cache with its opt-in Hadamard K rotation (engine.kv_rotate_k)")
+    ev.add_argument("--kv-residual", action="store_true",
+                    help="the FP8 cache with its opt-in KV residual for each window's first and last tokens "
+                         "(engine.kv_residual)")
+    ev.add_argument("--residual-sink", type=int, help="tokens (--kv-residual; default engine.kv_residual_sink)")
+    ev.add_argument("--residual-window", type=int,
+                    help="tokens (--kv-residual; default engine.kv_residual_window)")
+    ev.add_argument("--window", type=int, default=512, help="tokens of context per text window")
     ev.add_argument("--json", dest="json_out")
     return parser
 
@@ -221,7 +230,8 @@ def cmd_generate(args) -> int:
     if args.model != "smollm2":
         raise UsageError(f"--model {args.model!r}: generate needs a model with a tokenizer; valid: ['smollm2']")
     engine = Engine(EngineConfig(model="smollm2", kv_dtype=args.kv_dtype, weight_dtype=args.weights,
-                                 page_size=args.page_size, kv_budget_mb=64, batch_invariant=False))
+                                 page_size=args.page_size, kv_budget_mb=64, batch_invariant=False,
+                                 kv_residual=args.kv_residual))
     tok = engine.tokenizer
     request = Request("cli", tok.encode(args.prompt, add_bos=False), args.max_tokens, stop_ids=(tok.eos_id,))
     engine.add_request(request)
@@ -241,7 +251,13 @@ def cmd_eval_kv(args) -> int:
     from .evalkv import eval_kv
     from .report import write_json
 
-    result = eval_kv(args.model, n_positions=args.positions, rotate_k=args.rotate_k)
+    from .engine.engine import EngineConfig
+
+    defaults = EngineConfig()
+    sink = defaults.kv_residual_sink if args.residual_sink is None else args.residual_sink
+    window = defaults.kv_residual_window if args.residual_window is None else args.residual_window
+    result = eval_kv(args.model, n_positions=args.positions, window=args.window, rotate_k=args.rotate_k,
+                     residual=args.kv_residual, residual_sink=sink, residual_window=window)
     print(result)
     if args.json_out:
         write_json(args.json_out, result)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from faultlab.engine.kvcache import KResidualLayout, PagedKVCache
+from faultlab.engine.kvcache import ResidualLayout, PagedKVCache
 from faultlab.engine.model import LlamaModel
 
 
@@ -55,13 +55,13 @@ def _page_row(n_tokens: int, page_size: int, device) -> torch.Tensor:
 
 
 def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int,
-                   rotate_k: bool = False, k_residual: KResidualLayout | None = None):
+                   rotate_k: bool = False, residual: ResidualLayout | None = None):
     """Logits float32 [T, V] of one window fed chunk by chunk into a fresh cache of `kv_dtype`
     (one request, row 0)."""
     c, device = model.config, tokens.device
     page_row = _page_row(tokens.numel(), page_size, device)
     kv = PagedKVCache(c.n_layers, page_row.numel(), page_size, c.n_kv_heads, c.head_dim, kv_dtype,
-                      device, model.backend, rotate_k=rotate_k, k_residual=k_residual)
+                      device, model.backend, rotate_k=rotate_k, residual=residual)
     pos = torch.arange(tokens.numel(), device=device)
     slots = page_row[pos // page_size].long() * page_size + pos % page_size  # [T]
     out = [model.prefill(tokens[s:s + chunk], s, kv, page_row, slots[s:s + chunk], row=0)
@@ -92,11 +92,11 @@ def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]
 
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
-            backend: str = "torch", device: str = "cpu", rotate_k: bool = False, k_residual: bool = False,
+            backend: str = "torch", device: str = "cpu", rotate_k: bool = False, residual: bool = False,
             residual_sink: int = 16, residual_window: int = 128) -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
-    `rotate_k` turns on the test cache's Hadamard K rotation, `k_residual` its K residual for each
+    `rotate_k` turns on the test cache's Hadamard K rotation, `residual` its KV residual for each
     window's first `residual_sink` and last `residual_window` tokens (`PagedKVCache`); the reference
     cache has neither.
     Returns {"positions", "top1_agreement", "mean_kl", "max_kl", "ppl_ref", "ppl_test"}: KL(p_ref || p_test)
@@ -107,7 +107,7 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
     config, weights, _ = _load(model_name, weight_dtype, device)
     model = LlamaModel(config, weights, backend=backend, act_dtype=torch.float32)
     spans = _windows(n_positions, window, chunk)
-    layout = KResidualLayout.of(1, page_size, residual_sink, residual_window) if k_residual else None
+    layout = ResidualLayout.of(1, page_size, residual_sink, residual_window) if residual else None
     text = torch.tensor(english_tokens(sum(n for _, n in spans), model_name), device=device)
     totals: dict = {}
     for start, length in spans:
@@ -119,7 +119,7 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
         for key, value in _compare(ref, test, tokens[chunk + 1:]).items():
             totals[key] = max(totals.get(key, 0.0), value) if key == "max_kl" else totals.get(key, 0) + value
     return {"positions": n_positions, "test_kv": test_kv, "ref_kv": ref_kv,
-            "rotate_k": rotate_k, "k_residual": None if layout is None else
+            "rotate_k": rotate_k, "residual": None if layout is None else
             {"sink_tokens": residual_sink, "window_tokens": residual_window}, "top1_agreement": totals["agree"] / n_positions,
             "mean_kl": totals["kl"] / n_positions, "max_kl": totals["max_kl"],
             "ppl_ref": math.exp(totals["nll_ref"] / totals["n_nll"]),

@@ -38,7 +38,7 @@ class _Bucket:
     positions: torch.Tensor  # long [Bb]
     block: torch.Tensor  # int32 [Bb, Wb]
     slots: torch.Tensor  # long [Bb]
-    rows: torch.Tensor  # long [Bb]: request rows (the K residual reads them)
+    rows: torch.Tensor  # long [Bb]: request rows (the KV residual reads them)
     out: torch.Tensor | None = None  # float32 [Bb, vocab], the graph's output
     graph: "torch.cuda.CUDAGraph | None" = None
 
@@ -76,12 +76,12 @@ class GraphedDecode:
         return buf.out[:b].clone()
 
     def _forward(self, buf: _Bucket) -> torch.Tensor:
-        rows = {} if self.kv.k_residual is None else {"rows": buf.rows}
+        rows = {} if self.kv.residual is None else {"rows": buf.rows}
         return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots, **rows)
 
     def _pad_row(self) -> int:
-        """The request row of padding rows: the K residual's scratch row (no request owns it)."""
-        return 0 if self.kv.k_residual is None else self.kv.k_residual.rows
+        """The request row of padding rows: the KV residual's scratch row (no request owns it)."""
+        return 0 if self.kv.residual is None else self.kv.residual.rows
 
     def _fill(self, buf: _Bucket, tokens, positions, block, slots, rows) -> None:
         b, w = block.shape

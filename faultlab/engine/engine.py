@@ -16,7 +16,7 @@ import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
-from .kvcache import KResidualLayout, PagedKVCache
+from .kvcache import ResidualLayout, PagedKVCache
 from .memory import PageAllocator, ReqToPagePool
 from .radix import RadixCache
 from .requests import Event, Request
@@ -44,9 +44,9 @@ class EngineConfig:
     model: str = "tiny"
     kv_dtype: str = "fp8"
     kv_rotate_k: bool = False  # Hadamard-rotated K in the decode cache (PagedKVCache.rotate_k)
-    kv_k_residual: bool = False  # FP8 K at ~BF16 precision for each request's first/last tokens
-    kv_residual_sink: int = 16  # tokens at the start of each request that keep their K residual
-    kv_residual_window: int = 128  # most recent tokens of each request that keep their K residual
+    kv_residual: bool = False  # FP8 K/V at ~BF16 precision for each request's first/last tokens
+    kv_residual_sink: int = 16  # tokens at the start of each request that keep their KV residual
+    kv_residual_window: int = 128  # most recent tokens of each request that keep their KV residual
     weight_dtype: str = "int4"
     page_size: int = 16
     kv_budget_mb: float = 4.0  # KV memory; pages = budget / page bytes (FP8 fits ~2x BF16)
@@ -81,8 +81,8 @@ class EngineConfig:
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.backend != "triton"):
             raise ConfigError(f"engine.cuda_graphs needs device 'cuda' and backend 'triton', got device "
                               f"{self.device!r}, backend {self.backend!r}")
-        if self.kv_k_residual and (self.kv_dtype != "fp8" or self.phase_split):
-            raise ConfigError(f"engine.kv_k_residual needs kv_dtype 'fp8' and no phase_split, got kv_dtype "
+        if self.kv_residual and (self.kv_dtype != "fp8" or self.phase_split):
+            raise ConfigError(f"engine.kv_residual needs kv_dtype 'fp8' and no phase_split, got kv_dtype "
                               f"{self.kv_dtype!r}, phase_split {self.phase_split}")
         if self.kv_residual_sink < 0 or self.kv_residual_window < 1:
             raise ConfigError(f"engine.kv_residual_sink must be >= 0 and engine.kv_residual_window >= 1, got "
@@ -128,13 +128,13 @@ class Engine:
         mc = self.model.config
         self.page_size = config.page_size
         self.max_pages = -(-min(config.max_context, mc.max_context) // config.page_size)
-        self.k_residual = None
-        if config.kv_k_residual:
-            self.k_residual = KResidualLayout.of(config.max_running, config.page_size, config.kv_residual_sink,
+        self.residual = None
+        if config.kv_residual:
+            self.residual = ResidualLayout.of(config.max_running, config.page_size, config.kv_residual_sink,
                                                  config.kv_residual_window)
-        # NOTE: the K residual's pages come out of the same budget, so FP8 + residual is compared
+        # NOTE: the KV residual's pages come out of the same budget, so FP8 + residual is compared
         # with BF16 at equal memory.
-        residual = PagedKVCache.residual_bytes(self.k_residual, mc.n_layers, mc.n_kv_heads, mc.head_dim)
+        residual = PagedKVCache.residual_bytes(self.residual, mc.n_layers, mc.n_kv_heads, mc.head_dim)
         num_pages = config.num_pages or PagedKVCache.pages_for_budget(
             int(config.kv_budget_mb * 2**20) - residual, mc.n_layers, config.page_size, mc.n_kv_heads,
             mc.head_dim, config.kv_dtype)
@@ -170,7 +170,7 @@ class Engine:
             return build_sglang_kv(self, num_pages)
         return PagedKVCache(mc.n_layers, num_pages, config.page_size, mc.n_kv_heads, mc.head_dim,
                             dtype=config.kv_dtype, device=config.device, backend=config.backend,
-                            rotate_k=config.kv_rotate_k, k_residual=self.k_residual)
+                            rotate_k=config.kv_rotate_k, residual=self.residual)
 
     def _build_memory(self, num_pages: int):
         listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]
@@ -340,11 +340,11 @@ class Engine:
 
     def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None, row=None) -> torch.Tensor:
         """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's);
-        ``row``: the request's row (a K residual needs it)."""
+        ``row``: the request's row (a KV residual needs it)."""
         model = self.model if model is None else model
         kv = self.kv if kv is None else kv
         last = self._last_forward_kwargs(graphed=False)
-        if row is not None and kv.k_residual is not None:
+        if row is not None and kv.residual is not None:
             last, row_kw = {**last, "row": row}, {"row": row}
         else:
             row_kw = {}
@@ -373,7 +373,7 @@ class Engine:
         """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
         if self.graphs is not None:
             return self.graphs(tokens, positions, block, slots, rows)
-        if self.kv.k_residual is not None:
+        if self.kv.residual is not None:
             last = {**last, "rows": rows}
         return self.model.decode(tokens, positions, self.kv, block, slots, **last)
 

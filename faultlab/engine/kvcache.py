@@ -11,7 +11,7 @@ KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_
 BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-K_RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; kvguard.kernels.kv_store.RES_SCALE
+RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; kvguard.kernels.kv_store.RES_SCALE
 
 
 def _kernel(module: str, name: str):
@@ -22,10 +22,10 @@ def _kernel(module: str, name: str):
 
 
 @dataclass(frozen=True)
-class KResidualLayout:
-    """Which K pages of a request keep a residual byte, and where the residual lives.
+class ResidualLayout:
+    """Which KV pages of a request keep a residual byte, and where the residual lives.
 
-    FP8 K has 3 mantissa bits; a second e4m3 byte per element, the residual `(y - e4m3(y)) * 16`,
+    FP8 K/V have 3 mantissa bits; a second e4m3 byte per element, the residual `(y - e4m3(y)) * 16`,
     brings a page back to about BF16 precision. Each request row owns `pages_per_row` residual pages:
     `sink_pages` for its first logical pages (the attention sink) and a ring of `ring_pages` for its
     most recent ones. At length L (tokens, the one being written or read included) logical page j has
@@ -41,10 +41,10 @@ class KResidualLayout:
     ring_pages: int
 
     @classmethod
-    def of(cls, rows: int, page_size: int, sink_tokens: int = 16, window_tokens: int = 128) -> "KResidualLayout":
+    def of(cls, rows: int, page_size: int, sink_tokens: int = 16, window_tokens: int = 128) -> "ResidualLayout":
         """At least `sink_tokens` first and `window_tokens` most recent tokens of each request."""
         if rows < 1 or sink_tokens < 0 or window_tokens < 1:
-            raise ValueError(f"K residual: need rows >= 1, sink_tokens >= 0, window_tokens >= 1; got "
+            raise ValueError(f"KV residual: need rows >= 1, sink_tokens >= 0, window_tokens >= 1; got "
                              f"{rows}, {sink_tokens}, {window_tokens}")
         return cls(rows, page_size, -(-sink_tokens // page_size), -(-window_tokens // page_size) + 1)
 
@@ -128,21 +128,27 @@ def dequantize(x: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
     return torch.take(table, x.view(torch.uint8).long())
 
 
-def _residual(k_res: torch.Tensor, res_pages: torch.Tensor, res_table: torch.Tensor) -> torch.Tensor:
-    """float32 [..., page_size, Hkv, D] residual of res_pages (long, -1 = none -> 0), through `res_table`."""
-    values = dequantize(_raw(k_res)[res_pages.clamp_min(0)], res_table)
-    return torch.where((res_pages >= 0).view(*res_pages.shape, 1, 1, 1), values, 0.0)
+def _with_residual(x: torch.Tensor, res: torch.Tensor, res_pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., page_size, Hkv, D] plus the residual of res_pages [...] (long, -1 = none: plus 0),
+    dequantized through `table` (fp8_table(scale / RESIDUAL_SCALE))."""
+    values = dequantize(_raw(res)[res_pages.clamp_min(0)], table)
+    return x + torch.where((res_pages >= 0).view(*res_pages.shape, 1, 1, 1), values, 0.0)
 
 
 def _attend(q, k_cache, v_cache, plan: DecodePlan, k_table, v_table, sm_scale: float,
-            k_res=None, res_table=None) -> torch.Tensor:
+            residual: tuple | None = None) -> torch.Tensor:
+    """`residual`: (k_res, v_res, k_res_table, v_res_table) when plan.res_table is set."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     k = dequantize(_raw(k_cache)[plan.pages], k_table)  # [B, np, ps, Hkv, D]
+    v = dequantize(_raw(v_cache)[plan.pages], v_table)
     if plan.res_table is not None:
-        k = k + _residual(k_res, plan.res_table[:, :plan.pages.shape[1]].long(), res_table)
+        k_res, v_res, k_res_table, v_res_table = residual
+        res_pages = plan.res_table[:, :plan.pages.shape[1]].long()  # [B, np]
+        k = _with_residual(k, k_res, res_pages, k_res_table)
+        v = _with_residual(v, v_res, res_pages, v_res_table)
     k = k.flatten(1, 2).transpose(1, 2)  # [B, Hkv, n, D]
-    v = dequantize(_raw(v_cache)[plan.pages].flatten(1, 2), v_table).transpose(1, 2)
+    v = v.flatten(1, 2).transpose(1, 2)
     qh = q.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]: head i uses KV head i // G
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=plan.mask, scale=sm_scale)
     return out.reshape(b, h, d).to(q.dtype)
@@ -169,20 +175,21 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor
     return x.clamp(-FP8_MAX, FP8_MAX).to(dtype).view(torch.uint8)
 
 
-def store_kv_torch(k, v, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0, k_res=None, res_slots=None) -> None:
+def store_kv_torch(k, v, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0, k_res=None, v_res=None,
+                   res_slots=None) -> None:
     """`store_kv_ref`'s bits with one flat index_put per cache; k, v [T, Hkv, D], slots [T].
 
-    With `k_res` (FP8 residual pages), tokens whose res_slots [T] is >= 0 also store their K residual
-    `e4m3((y - e4m3(y)) * K_RESIDUAL_SCALE)`, y = clamp(k / k_scale) (KResidualLayout).
+    With `k_res`/`v_res` (FP8 residual pages), tokens whose res_slots [T] is >= 0 also store their
+    residual `e4m3((y - e4m3(y)) * RESIDUAL_SCALE)`, y = clamp(x / scale) (ResidualLayout).
     """
-    k_bytes = _quantize(k, k_cache.dtype, k_scale)
-    _raw(k_cache).view(-1, *k_cache.shape[2:])[slots] = k_bytes  # [P * ps, Hkv, D]
-    _raw(v_cache).view(-1, *v_cache.shape[2:])[slots] = _quantize(v, v_cache.dtype, v_scale)
-    if k_res is not None:
-        keep = res_slots >= 0
-        y = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)
-        residual = _quantize((y - k_bytes.view(torch.float8_e4m3fn).float()) * K_RESIDUAL_SCALE, k_res.dtype, 1.0)
-        _raw(k_res).view(-1, *k_res.shape[2:])[res_slots[keep]] = residual[keep]
+    for x, cache, scale, res in ((k, k_cache, k_scale, k_res), (v, v_cache, v_scale, v_res)):
+        stored = _quantize(x, cache.dtype, scale)
+        _raw(cache).view(-1, *cache.shape[2:])[slots] = stored  # [P * ps, Hkv, D]
+        if res is not None:
+            keep = res_slots >= 0
+            y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+            residual = _quantize((y - stored.view(torch.float8_e4m3fn).float()) * RESIDUAL_SCALE, res.dtype, 1.0)
+            _raw(res).view(-1, *res.shape[2:])[res_slots[keep]] = residual[keep]
 
 
 def _check_choice(what: str, value, valid) -> None:
@@ -211,9 +218,9 @@ class PagedKVCache:
     default: the rotation runs as separate torch ops around the kernels and costs decode time
     (docs/structures.md, "FP8 KV layout", has both measurements).
 
-    `k_residual` (opt-in, FP8 only; a `KResidualLayout`) gives each request row residual pages that
-    hold a second e4m3 byte of K for its first and its most recent pages, read back at about BF16
-    precision: `k_res[layer]: [layout.num_pages, page_size, n_kv_heads, head_dim]`. Its forwards pass
+    `residual` (opt-in, FP8 only; a `ResidualLayout`) gives each request row residual pages that
+    hold a second e4m3 byte of K and V for its first and its most recent pages, read back at about
+    BF16 precision: `k_res[layer], v_res[layer]: [layout.num_pages, page_size, n_kv_heads, head_dim]`. Its forwards pass
     the request rows (`decode_plan(..., rows)`, `residual_slots`, `gather(..., row=, length=)`).
     """
 
@@ -221,11 +228,11 @@ class PagedKVCache:
                  dtype: str = "bf16", device="cpu", backend: str = "torch", guard_pages: int = 4,
                  k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0,
                  buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                 rotate_k: bool = False, k_residual: KResidualLayout | None = None):
+                 rotate_k: bool = False, residual: ResidualLayout | None = None):
         _check_choice("kv dtype", dtype, KV_DTYPES)
-        if k_residual is not None and (dtype != "fp8" or k_residual.page_size != page_size):
-            raise ValueError(f"k_residual needs an fp8 cache and the cache's page size {page_size}; got "
-                             f"{dtype}, page size {k_residual.page_size}")
+        if residual is not None and (dtype != "fp8" or residual.page_size != page_size):
+            raise ValueError(f"residual needs an fp8 cache and the cache's page size {page_size}; got "
+                             f"{dtype}, page size {residual.page_size}")
         _check_choice("backend", backend, BACKENDS)
         if num_pages < 1 or page_size < 1 or guard_pages < 0:
             raise ValueError(f"need num_pages >= 1, page_size >= 1, guard_pages >= 0; got "
@@ -251,12 +258,15 @@ class PagedKVCache:
         self.k_rotation = hadamard(head_dim, self.device) if self.rotate_k else None  # [D, D]
         self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
         self._v_tables = [fp8_table(x, self.device) if fp8 else None for x in self.v_scale]
-        self.k_residual = k_residual
+        self.residual = residual
         self.k_res: list[torch.Tensor] = []
-        if k_residual is not None:
-            res_shape = (k_residual.num_pages, page_size, n_kv_heads, head_dim)
+        self.v_res: list[torch.Tensor] = []
+        if residual is not None:
+            res_shape = (residual.num_pages, page_size, n_kv_heads, head_dim)
             self.k_res = [torch.zeros(res_shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
-            self._res_tables = [fp8_table(x / K_RESIDUAL_SCALE, self.device) for x in self.k_scale]
+            self.v_res = [torch.zeros(res_shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
+            self._k_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.k_scale]
+            self._v_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.v_scale]
 
     def _fill_garbage(self) -> None:
         """Seeded noise in page 0 and the guard pages: reading them visibly corrupts attention."""
@@ -270,7 +280,7 @@ class PagedKVCache:
     def over_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], dtype: str, *, backend: str = "torch",
                      guard_pages: int = 4, k_scale: float | Sequence[float] = 1.0,
                      v_scale: float | Sequence[float] = 1.0, rotate_k: bool = False,
-                     k_residual: KResidualLayout | None = None) -> "PagedKVCache":
+                     residual: ResidualLayout | None = None) -> "PagedKVCache":
         """A cache over existing per-layer K/V tensors (no copy), e.g. views of SGLang's MHATokenToKVPool.
 
         Each tensor is `[num_pages + 1 + guard_pages, page_size, n_kv_heads, head_dim]` of the dtype's
@@ -279,7 +289,7 @@ class PagedKVCache:
         pages, page_size, n_kv_heads, head_dim = k[0].shape
         return cls(len(k), pages - 1 - guard_pages, page_size, n_kv_heads, head_dim, dtype=dtype,
                    device=k[0].device, backend=backend, guard_pages=guard_pages, k_scale=k_scale,
-                   v_scale=v_scale, buffers=(list(k), list(v)), rotate_k=rotate_k, k_residual=k_residual)
+                   v_scale=v_scale, buffers=(list(k), list(v)), rotate_k=rotate_k, residual=residual)
 
     @property
     def max_tokens(self) -> int:
@@ -291,29 +301,29 @@ class PagedKVCache:
         return token_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
 
     @staticmethod
-    def residual_bytes(layout: KResidualLayout | None, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-        """Bytes of a `k_residual` layout's pages over all layers (one FP8 byte per K element)."""
+    def residual_bytes(layout: ResidualLayout | None, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+        """Bytes of a `residual` layout's pages over all layers (one FP8 byte per K and V element)."""
         if layout is None:
             return 0
-        return layout.num_pages * layout.page_size * n_layers * n_kv_heads * head_dim
+        return 2 * layout.num_pages * layout.page_size * n_layers * n_kv_heads * head_dim
 
     def reset_residual(self, row: int) -> None:
         """Zero a request row's residual pages (on admission: pages it never writes read as plain FP8)."""
-        if self.k_residual is None:
+        if self.residual is None:
             return
-        per_row = self.k_residual.pages_per_row
-        for res in self.k_res:
+        per_row = self.residual.pages_per_row
+        for res in (*self.k_res, *self.v_res):
             _raw(res)[row * per_row:(row + 1) * per_row] = 0
 
     def residual_slots(self, rows: torch.Tensor | None, positions: torch.Tensor,
                        lengths: torch.Tensor) -> torch.Tensor | None:
         """Residual write slots (long [T], -1 = none) of tokens at positions [T] of rows [T], the
         request `lengths` [T] tokens long after the write; None when the cache keeps no residual."""
-        if self.k_residual is None:
+        if self.residual is None:
             return None
         if rows is None:
-            raise ValueError("this cache keeps a K residual: its forwards must pass the request rows")
-        return self.k_residual.write_slots(rows, positions, lengths)
+            raise ValueError("this cache keeps a KV residual: its forwards must pass the request rows")
+        return self.residual.write_slots(rows, positions, lengths)
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, n_layers: int, page_size: int, n_kv_heads: int,
@@ -333,26 +343,26 @@ class PagedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               res_slots: torch.Tensor | None = None) -> None:
         """Write k, v [T, Hkv, D] to flat slots [T] (long) of `layer`, quantizing to the cache dtype;
-        with a K residual, also to `res_slots` (from `residual_slots`)."""
+        with a KV residual, also to `res_slots` (from `residual_slots`)."""
         store = store_kv_torch if self.backend == "torch" else _kernel("kv_store", "store_kv")
         if self.k_rotation is not None:
             k = (k.float() @ self.k_rotation).to(k.dtype)  # the kernels take k and v in one dtype
         extra = {}
-        if self.k_residual is not None:
+        if self.residual is not None:
             if res_slots is None:
-                raise ValueError("this cache keeps a K residual: store needs res_slots (residual_slots)")
-            extra = {"k_res": self.k_res[layer], "res_slots": res_slots}
+                raise ValueError("this cache keeps a KV residual: store needs res_slots (residual_slots)")
+            extra = {"k_res": self.k_res[layer], "v_res": self.v_res[layer], "res_slots": res_slots}
         store(k, v, self.k[layer], self.v[layer], slots, self.k_scale[layer], self.v_scale[layer], **extra)
 
     def decode_plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     rows: torch.Tensor | None = None) -> DecodePlan | None:
         """The per-step part of decode attention, to share between layers (None on "triton" without a
-        K residual). A K residual needs the request rows [B] of block_table's rows."""
+        KV residual). A KV residual needs the request rows [B] of block_table's rows."""
         res_table = None
-        if self.k_residual is not None:
+        if self.residual is not None:
             if rows is None:
-                raise ValueError("this cache keeps a K residual: decode needs the request rows")
-            res_table = self.k_residual.table(rows, block_table.shape[1], seq_lens)
+                raise ValueError("this cache keeps a KV residual: decode needs the request rows")
+            res_table = self.residual.table(rows, block_table.shape[1], seq_lens)
         if self.backend == "torch":
             plan = decode_plan(block_table, seq_lens, self.page_size)
             return DecodePlan(plan.pages, plan.mask, res_table)
@@ -366,35 +376,42 @@ class PagedKVCache:
         """
         if self.k_rotation is not None:
             q = (q.float() @ self.k_rotation).to(q.dtype)
-        if self.k_residual is not None and plan is None:
-            raise ValueError("this cache keeps a K residual: decode_attention needs the step's decode_plan")
+        if self.residual is not None and plan is None:
+            raise ValueError("this cache keeps a KV residual: decode_attention needs the step's decode_plan")
         if self.backend == "triton":
             attend = _kernel("paged_attention", "paged_decode_attention")
-            extra = {} if plan is None else {"k_res": self.k_res[layer], "res_table": plan.res_table}
+            extra = {} if plan is None else {"k_res": self.k_res[layer], "v_res": self.v_res[layer],
+                                             "res_table": plan.res_table}
             return attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
                           self.k_scale[layer], self.v_scale[layer], **extra)
         plan = plan or decode_plan(block_table, seq_lens, self.page_size)
         return _attend(q, self.k[layer], self.v[layer], plan, self._k_tables[layer], self._v_tables[layer],
-                       sm_scale, *((self.k_res[layer], self._res_tables[layer]) if self.k_res else ()))
+                       sm_scale, self._residual_of(layer))
+
+    def _residual_of(self, layer: int) -> tuple | None:
+        if self.residual is None:
+            return None
+        return self.k_res[layer], self.v_res[layer], self._k_res_tables[layer], self._v_res_tables[layer]
 
     def gather(self, layer: int, page_row: torch.Tensor, n_tokens: int, *, row: int | None = None,
                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n_tokens` of one page row, dequantized: (k, v) float32 [n_tokens, Hkv, D].
 
-        A K residual needs the request's `row` and its `length` (tokens, this forward's included)."""
+        A KV residual needs the request's `row` and its `length` (tokens, this forward's included)."""
         pages = page_row[:-(-n_tokens // self.page_size)].long()
         k = dequantize(_raw(self.k[layer])[pages], self._k_tables[layer])  # [np, ps, Hkv, D]
-        if self.k_residual is not None:
+        v = dequantize(_raw(self.v[layer])[pages], self._v_tables[layer])
+        if self.residual is not None:
             if row is None or length is None:
-                raise ValueError("this cache keeps a K residual: gather needs the request's row and length")
+                raise ValueError("this cache keeps a KV residual: gather needs the request's row and length")
             logical = torch.arange(pages.numel(), device=pages.device)
-            res_pages = self.k_residual.pages(torch.tensor(row, device=pages.device), logical,
-                                              torch.tensor(length, device=pages.device))
-            k = k + _residual(self.k_res[layer], res_pages, self._res_tables[layer])
-        k = k.flatten(0, 1)[:n_tokens]
+            res_pages = self.residual.pages(torch.tensor(row, device=pages.device), logical,
+                                            torch.tensor(length, device=pages.device))
+            k = _with_residual(k, self.k_res[layer], res_pages, self._k_res_tables[layer])
+            v = _with_residual(v, self.v_res[layer], res_pages, self._v_res_tables[layer])
+        k, v = k.flatten(0, 1)[:n_tokens], v.flatten(0, 1)[:n_tokens]
         if self.k_rotation is not None:
             k = k @ self.k_rotation  # H is its own inverse
-        v = dequantize(_raw(self.v[layer])[pages].flatten(0, 1)[:n_tokens], self._v_tables[layer])
         return k, v
 
 

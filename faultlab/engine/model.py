@@ -159,14 +159,14 @@ class LlamaModel:
         Positions < start_pos are read from `kv` through page_row (int32 [P]); the new K/V are stored
         at write_slots (long [T]) and attended with their fresh (unquantized) values, causally.
         `last_only` returns the logits of the last token only ([1, vocab]). `row`: the request's row,
-        which a cache with a K residual needs (`PagedKVCache.k_residual`).
+        which a cache with a KV residual needs (`PagedKVCache.residual`).
         """
         t = tokens.shape[0]
         self._check_positions(start_pos + t - 1)
         rot = self.rot[start_pos:start_pos + t]  # [T, D/2]
         x = self._embed(tokens)
         res_slots = None
-        if kv.k_residual is not None:
+        if kv.residual is not None:
             positions = torch.arange(start_pos, start_pos + t, device=tokens.device)
             rows = torch.full_like(positions, -1 if row is None else row)
             res_slots = kv.residual_slots(None if row is None else rows, positions,
@@ -184,7 +184,7 @@ class LlamaModel:
 
         tokens [B] at positions [B] (long); their K/V are stored at write_slots [B] (long), then paged
         decode attention reads block_table (int32 [B, P]) over seq_lens = positions + 1. `rows` [B]: the
-        requests' rows, which a cache with a K residual needs (`PagedKVCache.k_residual`).
+        requests' rows, which a cache with a KV residual needs (`PagedKVCache.residual`).
         """
         if positions.device.type == "cpu":  # no host sync on an accelerator
             self._check_positions(int(positions.max()))

@@ -52,7 +52,7 @@ def build_sglang_kv(engine, num_pages: int, guard_pages: int = GUARD_PAGES) -> P
     k = [_paged(b, ps, dtype) for b in pool.k_buffer]
     v = [_paged(b, ps, dtype) for b in pool.v_buffer]
     kv = PagedKVCache.over_buffers(k, v, cfg.kv_dtype, backend=cfg.backend, guard_pages=guard_pages,
-                                   rotate_k=cfg.kv_rotate_k, k_residual=engine.k_residual)
+                                   rotate_k=cfg.kv_rotate_k, residual=engine.residual)
     kv.sglang_pool = pool
     return kv
 

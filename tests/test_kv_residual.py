@@ -1,4 +1,4 @@
-"""The FP8 K residual (PagedKVCache.k_residual, engine.kv_k_residual): the ring's bookkeeping, the
+"""The FP8 KV residual (PagedKVCache.residual, engine.kv_residual): the ring's bookkeeping, the
 precision it buys, and the engine running with it (torch and Triton backends)."""
 import dataclasses
 import itertools
@@ -9,12 +9,12 @@ import torch
 from faultlab.chaos import checking_tracker
 from faultlab.engine.cuda_graphs import GraphedDecode
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
-from faultlab.engine.kvcache import K_RESIDUAL_SCALE, KResidualLayout, PagedKVCache
+from faultlab.engine.kvcache import RESIDUAL_SCALE, ResidualLayout, PagedKVCache
 from faultlab.engine.requests import Request
 from workloads import clean_outputs, random_requests
 
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=6,
-                    kv_k_residual=True, kv_residual_sink=16, kv_residual_window=32)
+                    kv_residual=True, kv_residual_sink=16, kv_residual_window=32)
 
 
 @pytest.mark.parametrize("page_size,sink,window,chunk", [(16, 16, 128, 1), (16, 16, 128, 37), (1, 4, 8, 1),
@@ -23,7 +23,7 @@ def test_every_page_read_with_a_residual_reads_its_own(page_size, sink, window, 
     """Grow two requests (rows 0 and 1) by `chunk` tokens at a time; after each write, every token of
     every page the layout names as resident must be the last writer of its residual slot, and the
     resident pages must cover the first `sink` and the last `window` tokens."""
-    layout = KResidualLayout.of(2, page_size, sink, window)
+    layout = ResidualLayout.of(2, page_size, sink, window)
     owner = {}  # residual slot -> (row, position) that wrote it last
     length = 0
     while length < 700:
@@ -58,13 +58,13 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_residual_brings_gathered_and_attended_k_near_bf16(backend):
-    """One request of 100 tokens (page size 16, sink 16, window 32): gather returns K within 5e-3 of
-    the exact values on resident tokens and FP8's ~3e-2 elsewhere; decode attention with the residual
+def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
+    """One request of 100 tokens (page size 16, sink 16, window 32): gather returns K and V within 5e-3
+    of the exact values on resident tokens and FP8's ~3e-2 elsewhere; decode attention with the residual
     is closer to exact attention than plain FP8 attention."""
     ps, n, hkv, d = 16, 100, 2, 32
-    layout = KResidualLayout.of(1, ps, 16, 32)
-    caches = {res: PagedKVCache(1, 8, ps, hkv, d, "fp8", backend=backend, k_residual=layout if res else None)
+    layout = ResidualLayout.of(1, ps, 16, 32)
+    caches = {res: PagedKVCache(1, 8, ps, hkv, d, "fp8", backend=backend, residual=layout if res else None)
               for res in (False, True)}
     k, v = _random_kv(n)
     page_row = torch.arange(1, 8, dtype=torch.int32)
@@ -74,18 +74,18 @@ def test_residual_brings_gathered_and_attended_k_near_bf16(backend):
         kv.reset_residual(0)
         kv.store(0, k, v, slots, kv.residual_slots(torch.zeros(n, dtype=torch.long), pos, torch.full((n,), n))
                  if res else None)
-    k_plain, _ = caches[False].gather(0, page_row, n)
-    k_res, _ = caches[True].gather(0, page_row, n, row=0, length=n)
+    plain = caches[False].gather(0, page_row, n)
+    with_res = caches[True].gather(0, page_row, n, row=0, length=n)
     resident = (pos < 16) | (pos >= (n - 1) // ps * ps - 2 * ps)  # sink page + ring of 3 pages
-    assert _rel(k_res[resident], k[resident]) < 5e-3 < 1e-2 < _rel(k_plain[resident], k[resident])
-    assert torch.equal(k_res[~resident], k_plain[~resident])
+    for exact, got, fp8 in zip((k, v), with_res, plain):
+        assert _rel(got[resident], exact[resident]) < 5e-3 < 1e-2 < _rel(fp8[resident], exact[resident])
+        assert torch.equal(got[~resident], fp8[~resident])
 
     q = torch.randn(1, 4, d, generator=torch.Generator().manual_seed(1))
     block, seq = page_row[None], torch.tensor([n], dtype=torch.int32)
     rows = torch.zeros(1, dtype=torch.long)
     exact = torch.softmax(torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(2, 1)) / d ** 0.5, -1)
-    exact = torch.einsum("hn,nhd->hd", exact, caches[True].gather(0, page_row, n, row=0, length=n)[1]
-                         .repeat_interleave(2, 1))
+    exact = torch.einsum("hn,nhd->hd", exact, v.repeat_interleave(2, 1))
     plain = caches[False].decode_attention(0, q, block, seq, d ** -0.5, caches[False].decode_plan(block, seq))
     with_res = caches[True].decode_attention(0, q, block, seq, d ** -0.5, caches[True].decode_plan(block, seq, rows))
     assert _rel(with_res[0], exact) < _rel(plain[0], exact) / 2
@@ -94,11 +94,11 @@ def test_residual_brings_gathered_and_attended_k_near_bf16(backend):
 def test_residual_scale_is_the_kernels():
     from kvguard.kernels.kv_store import RES_SCALE
 
-    assert RES_SCALE == K_RESIDUAL_SCALE
+    assert RES_SCALE == RESIDUAL_SCALE
 
 
 def test_cache_without_rows_fails_loudly():
-    kv = PagedKVCache(1, 4, 16, 2, 32, "fp8", k_residual=KResidualLayout.of(1, 16))
+    kv = PagedKVCache(1, 4, 16, 2, 32, "fp8", residual=ResidualLayout.of(1, 16))
     k, v = _random_kv(3)
     with pytest.raises(ValueError, match="res_slots"):
         kv.store(0, k, v, torch.arange(16, 19))
@@ -107,21 +107,21 @@ def test_cache_without_rows_fails_loudly():
     with pytest.raises(ValueError, match="row and length"):
         kv.gather(0, torch.ones(1, dtype=torch.int32), 3)
     with pytest.raises(ValueError, match="fp8"):
-        PagedKVCache(1, 4, 16, 2, 32, "bf16", k_residual=KResidualLayout.of(1, 16))
+        PagedKVCache(1, 4, 16, 2, 32, "bf16", residual=ResidualLayout.of(1, 16))
 
 
 def test_config_errors_and_budget():
-    with pytest.raises(ConfigError, match="kv_k_residual"):
-        EngineConfig(kv_dtype="bf16", kv_k_residual=True)
-    with pytest.raises(ConfigError, match="kv_k_residual"):
-        EngineConfig(kv_k_residual=True, phase_split=True)
+    with pytest.raises(ConfigError, match="kv_residual"):
+        EngineConfig(kv_dtype="bf16", kv_residual=True)
+    with pytest.raises(ConfigError, match="kv_residual"):
+        EngineConfig(kv_residual=True, phase_split=True)
     with pytest.raises(ConfigError, match="kv_residual_window"):
-        EngineConfig(kv_k_residual=True, kv_residual_window=0)
+        EngineConfig(kv_residual=True, kv_residual_window=0)
     budget = dict(model="tiny", kv_budget_mb=1.0, num_pages=0, max_running=8)
-    plain = Engine(dataclasses.replace(TINY, kv_k_residual=False, **budget))
+    plain = Engine(dataclasses.replace(TINY, kv_residual=False, **budget))
     res = Engine(dataclasses.replace(TINY, **budget))
-    layout = res.k_residual  # sink 1 page + ring 3 pages per row, 9 rows; each K-only page is half a page
-    assert plain.num_pages - res.num_pages == -(-layout.num_pages // 2)
+    layout = res.residual  # sink 1 page + ring 3 pages per row, 9 rows; a residual page is a page's size
+    assert plain.num_pages - res.num_pages == layout.num_pages
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -152,7 +152,7 @@ def test_stale_residual_of_a_previous_request_never_leaks():
         engine, outputs = Engine(TINY), {}
         gen = torch.Generator().manual_seed(5)
         for request in (Request("a", prompt, 12), Request("b", prompt + [7, 8], 12)):  # "b" hits "a"'s prefix
-            for res in engine.kv.k_res if poison else ():
+            for res in (*engine.kv.k_res, *engine.kv.v_res) if poison else ():
                 res.view(torch.uint8).copy_(torch.randint(0, 120, res.shape, dtype=torch.uint8, generator=gen))
             outputs.update(clean_outputs(engine, [request]))
         assert engine.done[-1].n_shared == 2
@@ -168,25 +168,26 @@ def test_graph_padding_rows_write_only_the_scratch_row():
     positions = torch.tensor([20, 5, 31])
     slots = pages[torch.arange(3), positions // 16].long() * 16 + positions % 16
     tokens, rows = torch.tensor([5, 6, 7]), torch.tensor([0, 2, 5])
-    before = [r.clone() for r in engine.kv.k_res]
+    residuals = [*engine.kv.k_res, *engine.kv.v_res]
+    before = [r.clone() for r in residuals]
     got = graphed(tokens, positions, pages, slots, rows)  # bucket of 4: one padding row
-    after = [r.clone() for r in engine.kv.k_res]
-    for r, b in zip(engine.kv.k_res, before):
+    after = [r.clone() for r in residuals]
+    for r, b in zip(residuals, before):
         r.copy_(b)
     want = engine.model.decode(tokens, positions, engine.kv, pages, slots, rows=rows)
     assert torch.allclose(got, want, atol=1e-5)
-    per_row = engine.k_residual.pages_per_row
+    per_row = engine.residual.pages_per_row
     for b, a in zip(before, after):
         changed = (b.view(torch.uint8) != a.view(torch.uint8)).flatten(1).any(-1).nonzero().flatten()
-        assert {int(p) // per_row for p in changed} <= {0, 2, 5, engine.k_residual.rows}
+        assert {int(p) // per_row for p in changed} <= {0, 2, 5, engine.residual.rows}
 
 
 def test_eval_kv_residual_beats_plain_fp8():
-    """SmolLM2, 150 positions: the K residual cuts the mean KL against BF16 KV by more than 3x."""
+    """SmolLM2, 150 positions: the KV residual cuts the mean KL against BF16 KV by more than 3x."""
     from faultlab.evalkv import eval_kv
 
     plain = eval_kv(n_positions=150, window=192)
-    res = eval_kv(n_positions=150, window=192, k_residual=True)
-    assert res["k_residual"] == {"sink_tokens": 16, "window_tokens": 128}
+    res = eval_kv(n_positions=150, window=192, residual=True)
+    assert res["residual"] == {"sink_tokens": 16, "window_tokens": 128}
     assert res["mean_kl"] * 3 < plain["mean_kl"]
     assert res["top1_agreement"] >= plain["top1_agreement"]
