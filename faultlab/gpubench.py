@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.kvcache import PagedKVCache, token_bytes  # noqa: E402
+from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, token_bytes  # noqa: E402
 from faultlab.engine.model import LlamaModel  # noqa: E402
 from faultlab.engine.weights import Int4Weight, random_weights  # noqa: E402
 from kvguard import NoopTracker, TagTracker, TrackerConfig  # noqa: E402
@@ -99,13 +99,14 @@ def interleaved(graphs: dict, pairs: int) -> dict:
 class DecodeState:
     """B requests at context ``ctx`` on scattered pages, with their expected tags recorded."""
 
-    def __init__(self, model, batch, ctx, page_size, kv_dtype, dev, backend, seed=0, rotate_k=None):
+    def __init__(self, model, batch, ctx, page_size, kv_dtype, dev, backend, seed=0, rotate_k=None, residual=False):
         c = model.config
         self.ps, self.batch = page_size, batch
         self.width = -(-(ctx + 1) // page_size)
         num_pages = batch * self.width
+        layout = ResidualLayout.of(batch, page_size) if residual else None  # first 16, last 128 tokens
         self.kv = PagedKVCache(c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim, dtype=kv_dtype,
-                               device=dev, backend=backend, rotate_k=rotate_k)
+                               device=dev, backend=backend, rotate_k=rotate_k, residual=layout)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         pages = (torch.randperm(num_pages, generator=gen) + 1).view(batch, self.width)  # scattered pages
         self.table = pages.to(dev, torch.int32)
@@ -119,6 +120,8 @@ class DecodeState:
             for cache in (self.kv.k[layer], self.kv.v[layer]):
                 cache.view(torch.uint8 if cache.dtype == torch.float8_e4m3fn else cache.dtype)[1:num_pages + 1] \
                     .copy_(_noise(cache, num_pages))
+            for res in (*self.kv.k_res[layer:layer + 1], *self.kv.v_res[layer:layer + 1]):
+                res.view(torch.uint8).copy_(_noise(res, res.shape[0]))
         self.tracker = TagTracker(TrackerConfig(mode="check", log_violations=False))
         self.tracker.attach(num_pages=num_pages + 1, num_rows=batch, max_entries=self.width, device=dev,
                             page_size=page_size)
@@ -132,7 +135,8 @@ class DecodeState:
         check = tracker.validate(block, self.rows, self.n_entries, max_entries=self.width,
                                  source=self.table, source_rows=self.rows)
         slots = block.gather(1, self.page_idx).squeeze(1).long() * self.ps + self.offs
-        logits = model.decode(self.tokens, self.positions, self.kv, block, slots)
+        rows = {} if self.kv.residual is None else {"rows": self.rows}
+        logits = model.decode(self.tokens, self.positions, self.kv, block, slots, **rows)
         return logits.argmax(-1), (None if check is None else check.verdict)
 
 

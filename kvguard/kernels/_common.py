@@ -30,3 +30,22 @@ def check_cache_pair(k_cache, v_cache, fail) -> None:
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         fail("v_cache", f"must match k_cache ({tuple(k_cache.shape)} {k_cache.dtype}), "
                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
+
+
+def check_residual_pair(k_cache, k_res, v_res, partner: str, fail) -> bool:
+    """Check the residual pages k_res/v_res that come with `partner` (res_slots or res_table): both
+    given, FP8 like the cache, shaped like its pages; raises through `fail(name, why)`."""
+    for name, res in (("k_res", k_res), ("v_res", v_res)):
+        if res is None:
+            fail(name, f"must be given together with the other residual arguments ({partner})")
+        if k_cache.dtype != torch.float8_e4m3fn:
+            fail(name, f"needs a float8_e4m3fn cache, got {k_cache.dtype}")
+        if res.dim() != 4 or res.dtype != torch.float8_e4m3fn or tuple(res.shape[1:]) != tuple(k_cache.shape[1:]):
+            fail(name, f"must be a 4-D float8_e4m3fn [Pr, {', '.join(map(str, k_cache.shape[1:]))}] tensor, "
+                       f"got {tuple(res.shape)} {res.dtype}")
+        if res.stride(3) != 1:
+            fail(name, "must be contiguous along its last dimension")
+    if k_res.shape != v_res.shape or k_res.device != v_res.device:
+        fail("v_res", f"must match k_res ({tuple(k_res.shape)} on {k_res.device}), got {tuple(v_res.shape)} "
+                      f"on {v_res.device}")
+    return True

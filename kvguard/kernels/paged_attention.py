@@ -9,30 +9,51 @@ K/V tile is read once per group. It walks its range of the sequence in blocks of
 gathering page ids per token (any page size), with an online softmax in fp32. When there are too few
 (request, KV head) pairs to fill the GPU, the sequence is split across programs and a second small
 kernel merges the partial results by their log-sum-exp (flash-decoding).
+
+Optional KV residual (FP8 caches only, written by ``store_kv``): ``res_table[b, j] >= 0`` names the page of
+``k_res`` and ``v_res`` holding logical page ``j``'s residual bytes, and those tokens read K as
+``(k_cache + k_res / RES_SCALE) * k_scale`` and V likewise (about 4 more significant bits); -1 means no
+residual. The sums are formed in fp32 before the cast to the dot dtype; a block of tokens none of which
+has a residual skips the residual loads altogether (a branch per block), so a request whose residual
+covers only its first and last pages pays for those pages only.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_pair
+from ._common import check_cache_pair, check_residual_pair
 from ._common import dot_f32 as _dot
+from .kv_store import RES_SCALE
 
 Q_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_N = 64  # tokens per inner step
 BLOCK_N_FP8 = 128  # tokens per inner step on FP8 caches when the sequence is not split
 MIN_SPLIT_TOKENS = 256  # shortest stretch of sequence worth a program of its own
+_INV_RES_SCALE = tl.constexpr(1.0 / RES_SCALE)
+
+
+@triton.jit
+def _add_res(x, r_ptrs, r_mask, dtype: tl.constexpr):
+    """A K or V tile (already in the dot dtype) plus its residual, summed in fp32, back in `dtype`
+    (masked-off tokens load nothing and add 0)."""
+    res = tl.load(r_ptrs, mask=r_mask, other=0.0)
+    return (x.to(tl.float32) + res.to(tl.float32) * _INV_RES_SCALE).to(dtype)
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    k_res_ptr, v_res_ptr, res_table_ptr,
     q_scale, qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP16_DOT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
+    # HAS_RES: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table [B, max_pages] residual page ids (-1: none)
     # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
     # MODE 0: heads fill the MMA rows (padded to BLOCK_H >= 16): s = q @ K^T, acc += p @ V.
     # MODE 1: tokens fill the MMA rows: s^T = K @ q^T, acc^T += V^T @ p^T (acc kept transposed).
@@ -72,17 +93,32 @@ def _paged_decode_kernel(
         offset = tok % page_size
         k_rows = page * stride_kp + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
         v_rows = page * stride_vp + offset * stride_vs + kv_head * stride_vh
+        any_res = False
+        if HAS_RES:
+            res_page = tl.load(res_table_ptr + b * stride_rt + tok // page_size, mask=t_mask, other=-1).to(tl.int64)
+            r_tok = t_mask & (res_page >= 0)  # tokens without a residual load nothing
+            any_res = tl.max(r_tok.to(tl.int32), axis=0) > 0  # else the block skips the residual loads
+            kr_rows = res_page * stride_krp + offset * stride_krs + kv_head * stride_krh
+            vr_rows = res_page * stride_vrp + offset * stride_vrs + kv_head * stride_vrh
         if MODE == 0:
             k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
-                          mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            scores = _dot(q, k_t.to(q.dtype), None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+                          mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+            if any_res:
+                k_t = _add_res(k_t, k_res_ptr + kr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None],
+                               q.dtype)
+            scores = _dot(q, k_t, None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
         elif MODE == 1:
             k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            scores = tl.trans(_dot(k.to(q.dtype), q_t, None, UPCAST)) * qk_scale  # [BLOCK_H, BLOCK_N]
+                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+            if any_res:
+                k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], q.dtype)
+            scores = tl.trans(_dot(k, q_t, None, UPCAST)) * qk_scale  # [BLOCK_H, BLOCK_N]
         else:
             k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
                         mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            if any_res:
+                k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :],
+                             tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -91,15 +127,21 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if MODE == 1:
             v_t = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None],
-                          mask=t_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            acc = _dot(v_t.to(q.dtype), tl.trans(p.to(q.dtype)), acc * alpha[None, :], UPCAST)
+                          mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+            if any_res:
+                v_t = _add_res(v_t, v_res_ptr + vr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None],
+                               q.dtype)
+            acc = _dot(v_t, tl.trans(p.to(q.dtype)), acc * alpha[None, :], UPCAST)
         else:
+            v_dtype = q.dtype if MODE == 0 else tl.float32
             v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(v_dtype)  # [BLOCK_N, BLOCK_D]
+            if any_res:
+                v = _add_res(v, v_res_ptr + vr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], v_dtype)
             if MODE == 0:
-                acc = _dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST)
+                acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], UPCAST)
             else:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     has = l_i > 0
     inv_l = v_scale / tl.where(has, l_i, 1.0)
@@ -173,6 +215,24 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
             _fail(name, f"must be a positive finite number, got {float(s)}")
 
 
+def _validate_res(q, k_cache, block_table, k_res, v_res, res_table) -> bool:
+    """Check the optional KV residual arguments (after _validate); True when they are given."""
+    if k_res is None and v_res is None and res_table is None:
+        return False
+    if res_table is None:
+        _fail("res_table", "must be given together with k_res and v_res")
+    check_residual_pair(k_cache, k_res, v_res, "res_table", _fail)
+    if res_table.dtype != torch.int32 or res_table.shape != block_table.shape:
+        _fail("res_table", f"must be an int32 tensor shaped like block_table {tuple(block_table.shape)}, got "
+                           f"{tuple(res_table.shape)} {res_table.dtype}")
+    if res_table.stride(1) != 1:
+        _fail("res_table", "must be contiguous along its last dimension")
+    devices = {t.device for t in (q, k_res, v_res, res_table)}
+    if len(devices) != 1:
+        _fail("k_res", f"v_res and res_table must be on q's device, got {sorted(map(str, devices))}")
+    return True
+
+
 def _dequant_scales(cache, k_scale, v_scale) -> tuple[float, float]:
     """Scales apply to FP8 caches only (see store_kv)."""
     if cache.dtype == torch.float8_e4m3fn:
@@ -222,13 +282,16 @@ def _choose(cache_dtype, group: int, n_splits: int) -> tuple[int, int, int, int]
 
 
 def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
-                  n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None):
+                  n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None,
+                  k_res=None, v_res=None, res_table=None):
     """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size).
 
     ``mode``: 0 (heads fill the MMA rows), 1 (tokens fill them) or 2 (CUDA cores, no tl.dot); it,
     ``block_n``, ``num_warps`` and ``num_stages`` are chosen from the cache dtype and GQA group when None.
+    ``k_res``/``v_res``/``res_table``: optional KV residual (see :func:`paged_decode_attention`).
     """
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -259,13 +322,19 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
         lse = out  # not written
         target, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
     fp16_dot, q_scale, qk_scale = _dot_setup(q, k_cache, float(sm_scale), ks)
+    if has_res:
+        res_args = (k_res, v_res, res_table)
+        res_strides = (k_res.stride(0), k_res.stride(1), k_res.stride(2), v_res.stride(0), v_res.stride(1),
+                       v_res.stride(2), res_table.stride(0))
+    else:
+        res_args, res_strides = (k_cache, v_cache, block_table), (0,) * 7  # not read
     _paged_decode_kernel[(n_batch, n_kv_heads, n_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, target, lse,
+        q, k_cache, v_cache, block_table, seq_lens, target, lse, *res_args,
         q_scale, qk_scale, vs, head_dim, page_size, split_tokens, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), *strides,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), *strides, *res_strides,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FP16_DOT=fp16_dot, SPLIT=n_splits > 1,
-        UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction), MODE=mode,
+        UPCAST=not isinstance(_paged_decode_kernel, triton.runtime.JITFunction), MODE=mode, HAS_RES=has_res,
         num_warps=num_warps, num_stages=num_stages,
     )
     if n_splits > 1:
@@ -276,7 +345,8 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0,
+                           k_res=None, v_res=None, res_table=None):
     """Decode attention of one query token per request over its paged K/V.
 
     Args:
@@ -286,16 +356,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
         seq_lens: int32/int64 ``[B]``, ``1 <= seq_lens[b] <= max_pages * page_size`` (0 gives zeros).
         sm_scale: softmax scale applied to ``q . k``.
         k_scale, v_scale: FP8 dequantization scales (``read = stored * scale``); ignored otherwise.
+        k_res, v_res: optional float8_e4m3fn ``[Pr, page_size, Hkv, D]`` K and V residual pages (FP8 caches only).
+        res_table: int32 ``[B, max_pages]`` with them (block_table's shape): residual page id of each
+            logical page, or -1 for none; K reads ``(k_cache + k_res / RES_SCALE) * k_scale`` there, V likewise.
     Returns:
         ``[B, H, D]`` in ``q.dtype``; softmax and accumulation in fp32.
     """
-    return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale)
+    return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
+                         k_res=k_res, v_res=v_res, res_table=res_table)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
-                               k_scale=1.0, v_scale=1.0):
+                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None):
     """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
@@ -309,8 +384,14 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_sc
             continue
         pos = torch.arange(n, device=q.device)
         pages = block_table[b, pos // page_size].long()  # [n]
-        k = k_cache[pages, pos % page_size].float() * ks  # [n, Hkv, D]
-        v = v_cache[pages, pos % page_size].float() * vs
+        k = k_cache[pages, pos % page_size].float()  # [n, Hkv, D]
+        v = v_cache[pages, pos % page_size].float()
+        if has_res:
+            res_pages = res_table[b, pos // page_size].long()  # [n]
+            has = res_pages >= 0
+            k[has] += k_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
+            v[has] += v_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
+        k, v = k * ks, v * vs
         k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [n, H, D]
         v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * float(sm_scale)  # [H, n]

@@ -1,10 +1,12 @@
-"""What the FP8 cache's Hadamard K rotation costs in a CUDA-graphed decode step (H200).
+"""What the FP8 cache's opt-in layouts cost in a CUDA-graphed decode step (H200): the Hadamard K
+rotation (`rotate_k`) and the KV residual for each request's first 16 and last 128 tokens (`residual`).
 
-    python bench/rotation_cost.py --out bench/results          # llama3-8b INT4, FP8 KV, ctx 8192, B 1/16/64
+    python bench/layout_cost.py --variants rotated --out bench/results/rotation_cost.json
+    python bench/layout_cost.py --variants residual --out bench/results/residual_cost.json
 
-Same method as faultlab/gpubench.py: one DecodeState per variant (FP8 KV with and without the
-rotation, no tracker), each step captured as a CUDA graph, graphs replayed interleaved in rotating
-order, CUDA-event times; medians and p99 per variant, and the rotation's cost in % of the step.
+Same method as faultlab/gpubench.py: one DecodeState per variant (FP8 KV, plain twice for an A/A, no
+tracker), each step captured as a CUDA graph, graphs replayed interleaved in rotating order, CUDA-event
+times; medians and p99 per variant, and each layout's cost in % of the plain step.
 """
 import argparse
 import json
@@ -28,7 +30,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--pairs", type=int, default=200)
-    p.add_argument("--out", default=None)
+    p.add_argument("--variants", nargs="+", default=["rotated", "residual"], choices=("rotated", "residual"))
+    p.add_argument("--out", default=None, help="a JSON file")
     args = p.parse_args()
     dev = torch.device("cuda")
     config = get_preset(args.model)
@@ -36,22 +39,24 @@ def main() -> None:
                        backend="triton")
     rows = []
     for batch in args.batches:
-        states = {name: DecodeState(model, batch, args.ctx, 16, "fp8", dev, "triton", rotate_k=rot)
-                  for name, rot in (("plain", False), ("plain2", False), ("rotated", True))}
+        options = {"plain": {}, "plain2": {}, "rotated": {"rotate_k": True}, "residual": {"residual": True}}
+        states = {name: DecodeState(model, batch, args.ctx, 16, "fp8", dev, "triton", **options[name])
+                  for name in ("plain", "plain2", *args.variants)}
         graphs = {n: capture(lambda s=s: s.step(model, NoopTracker())) for n, s in states.items()}
         t = interleaved({n: g for n, (g, _) in graphs.items()}, args.pairs)
         med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
         p99 = {n: pct(v, 99) * 1e3 for n, v in t.items()}
         row = {"batch": batch, "ctx": args.ctx, "step_ms_median": med, "step_ms_p99": p99,
-               "rotation_pct_median": 100 * (med["rotated"] / med["plain"] - 1),
-               "aa_pct_median": 100 * (med["plain2"] / med["plain"] - 1),
-               "rotation_pct_p99": 100 * (p99["rotated"] / p99["plain"] - 1)}
+               "aa_pct_median": 100 * (med["plain2"] / med["plain"] - 1)}
+        for name in args.variants:
+            row[f"{name}_pct_median"] = 100 * (med[name] / med["plain"] - 1)
+            row[f"{name}_pct_p99"] = 100 * (p99[name] / p99["plain"] - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del states, graphs
         torch.cuda.empty_cache()
     if args.out:
-        out = Path(args.out) / "rotation_cost.json"
+        out = Path(args.out)
         out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
                                    "model": args.model, "rows": rows}, indent=2))
         print(f"wrote {out}")
