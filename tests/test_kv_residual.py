@@ -124,15 +124,13 @@ def test_config_errors_and_budget():
     assert plain.num_pages - res.num_pages == layout.num_pages
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_engine_runs_with_residual_and_tracker_still_aborts(backend):
+def test_engine_runs_with_residual_and_tracker_still_aborts():
     """Fault-free: every request finishes, no abort; a remapped page is still caught before streaming."""
-    engine = Engine(dataclasses.replace(TINY, backend=backend), tracker=checking_tracker())
-    outputs = clean_outputs(engine, random_requests(6 if backend == "torch" else 3, seed=4))
-    assert len(outputs) == (6 if backend == "torch" else 3)
+    engine = Engine(TINY, tracker=checking_tracker())
+    assert len(clean_outputs(engine, random_requests(6, seed=4))) == 6
     assert engine.accounting()["balanced"]
 
-    engine = Engine(dataclasses.replace(TINY, backend=backend), tracker=checking_tracker())
+    engine = Engine(TINY, tracker=checking_tracker())
     reqs = random_requests(2, seed=7, shared=0.0)
     for r in reqs:
         engine.add_request(r)
@@ -140,6 +138,17 @@ def test_engine_runs_with_residual_and_tracker_still_aborts(backend):
     engine.table[reqs[0].row, 0] = engine.table[reqs[1].row, 0]
     aborts = [e for e in engine.step() if e.kind == "abort"]
     assert [e.rid for e in aborts] == [reqs[0].rid]
+
+
+def test_triton_engine_with_residual_matches_torch():
+    """The Triton kernels (store with residual, attention reading it) give the torch path's greedy
+    tokens; requests long enough that the ring wraps (window 32 tokens = 3 ring pages)."""
+    config = dataclasses.replace(TINY, batch_invariant=False)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        requests = [Request("a", list(range(3, 80)), 6), Request("b", list(range(90, 101)), 6)]
+        outputs[backend] = clean_outputs(Engine(dataclasses.replace(config, backend=backend)), requests)
+    assert outputs["triton"] == outputs["torch"]
 
 
 def test_stale_residual_of_a_previous_request_never_leaks():
@@ -158,6 +167,39 @@ def test_stale_residual_of_a_previous_request_never_leaks():
         assert engine.done[-1].n_shared == 2
         runs.append(outputs)
     assert runs[0] == runs[1]
+
+
+def _kv_of(engine, request, steps):
+    """Run `steps` more steps; then request's K/V (main and residual bytes) by logical position."""
+    for _ in range(steps):
+        engine.step()
+    assert request.status == "running"
+    kv, row = engine.kv, request.row
+    pages = engine.table[row, :request.n_pages].long()
+    per_row = kv.residual.pages_per_row
+    main = [c.view(torch.uint8)[pages].flatten(0, 1)[:request.kv_len] for c in (*kv.k, *kv.v)]
+    res = [r.view(torch.uint8)[row * per_row:(row + 1) * per_row] for r in (*kv.k_res, *kv.v_res)]
+    return torch.stack(main), torch.stack(res)
+
+
+def test_prefix_cache_hits_do_not_change_what_a_request_computes():
+    """Request "b" shares 3 prompt pages with "a". Run after "a" (a prefix-cache hit) it must compute,
+    bit for bit, the K/V and residual bytes it computes alone (a miss): the sink's residual is
+    refreshed on the hit and the shared prompt pages never get a window residual."""
+    config = dataclasses.replace(TINY, kv_residual_window=16)
+    prefix = list(range(3, 51))
+    a, b_prompt = Request("a", prefix + [9, 9, 9], 4), prefix + [7, 8, 5, 5]
+    alone = Engine(config)
+    b = Request("b", b_prompt, 30)
+    alone.add_request(b)
+    want = _kv_of(alone, b, 12)
+    engine = Engine(config)
+    clean_outputs(engine, [a])
+    b = Request("b", b_prompt, 30)
+    engine.add_request(b)
+    got = _kv_of(engine, b, 12)
+    assert b.n_shared == 3 and b.kv_len > 60  # the ring has wrapped past the prompt
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_graph_padding_rows_write_only_the_scratch_row():

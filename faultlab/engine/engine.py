@@ -281,8 +281,11 @@ class Engine:
         """A row, the cached prefix and fresh pages for the prompt: (pages in all, the fresh pages)."""
         ps = self.page_size
         request.row = self.req_pool.alloc_row()
-        self.kv.reset_residual(request.row)
-        request.nodes = self.cache.match(request.prompt, max_pages=(len(request.prompt) - 1) // ps)
+        shareable = (len(request.prompt) - 1) // ps  # prompt pages the prefix cache could hand out
+        # NOTE: only pages past those get a KV residual from the recent window (and the sink is
+        # refreshed on a hit, `_refresh_sink`), so a request's numerics never depend on cache hits.
+        self.kv.reset_residual(request.row, window_start=shareable)
+        request.nodes = self.cache.match(request.prompt, max_pages=shareable)
         self.cache.lock(request.nodes)
         request.n_shared = len(request.nodes)
         shared = torch.tensor([n.page for n in request.nodes], dtype=torch.int64)
@@ -304,9 +307,28 @@ class Engine:
         check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
         slots = self._write_slots(block, torch.zeros_like(positions), positions)
         slots = self._emit_writes([request] * len(positions), positions, slots)
+        self._refresh_sink(request, block[0])
         logits = self._prefill_forward(torch.tensor(request.prompt[start:], device=self.device), start, block[0], slots,
                                        row=request.row)
         self._finish_step([request], logits, check, events)
+
+    def _refresh_sink(self, request: Request, page_row) -> None:
+        """A prefix-cache hit shares the sink pages but not their KV residual (it lives in the row of the
+        request that wrote them): recompute the first sink tokens over the shared pages, writing their
+        residual into this row and their K/V into scratch (the shared pages keep their bytes). The
+        sink's K/V depend on the sink's tokens only, so the residual comes out as a miss would write it.
+        Reads the rows the step's check already covers (``page_row`` is its kernel-visible copy).
+        """
+        layout = self.kv.residual
+        if layout is None or not request.n_shared or not layout.sink_pages:
+            return
+        n = min(layout.sink_pages, request.n_shared) * self.page_size
+        tokens = torch.tensor(request.prompt[:n], device=self.device)
+        scratch = torch.arange(n, device=self.device) % self.page_size  # slots of scratch page 0
+        chunk = 1 if self.config.batch_invariant else n  # as `_prefill_forward` computed them
+        for t in range(0, n, chunk):
+            self.model.prefill(tokens[t:t + chunk], t, self.kv, page_row, scratch[t:t + chunk], last_only=True,
+                               row=request.row)
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode(self, batch: list[Request], events: list[Event]) -> None:

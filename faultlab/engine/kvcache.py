@@ -29,10 +29,12 @@ class ResidualLayout:
     brings a page back to about BF16 precision. Each request row owns `pages_per_row` residual pages:
     `sink_pages` for its first logical pages (the attention sink) and a ring of `ring_pages` for its
     most recent ones. At length L (tokens, the one being written or read included) logical page j has
-    a residual iff j < sink_pages or cur - ring_pages < j <= cur, cur = (L - 1) // page_size; ring
-    page j lives in slot sink_pages + j % ring_pages, so a page leaves the ring exactly when the page
-    that overwrites its slot starts. Row `rows` is scratch (CUDA-graph padding rows use it).
-    Pages a request never wrote (a cached prefix) read a zero residual: rows are zeroed on admission.
+    a residual iff j < sink_pages, or window_start <= j and cur - ring_pages < j <= cur, with
+    cur = (L - 1) // page_size and `window_start` the row's first page eligible for the ring (the engine
+    sets it past the prompt pages the prefix cache could share, so that a request's numerics do not
+    depend on cache hits). Ring page j lives in slot sink_pages + j % ring_pages, so a page leaves the
+    ring exactly when the page that overwrites its slot starts. Row `rows` is scratch (CUDA-graph
+    padding rows use it). Rows are zeroed on admission: a page nobody wrote a residual for reads 0.
     """
 
     rows: int
@@ -57,25 +59,31 @@ class ResidualLayout:
         """Residual pages in all, the scratch row's included."""
         return (self.rows + 1) * self.pages_per_row
 
-    def pages(self, rows: torch.Tensor, logical: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def pages(self, rows: torch.Tensor, logical: torch.Tensor, lengths: torch.Tensor,
+              window_start: torch.Tensor | int = 0) -> torch.Tensor:
         """Residual page (long) of logical page `logical` of row `rows` at `lengths` tokens, -1 if none
         (arguments broadcast)."""
         cur = torch.div(lengths - 1, self.page_size, rounding_mode="floor")
         sink = logical < self.sink_pages
-        recent = (logical > cur - self.ring_pages) & (logical <= cur)
+        recent = (logical > cur - self.ring_pages) & (logical <= cur) & (logical >= window_start)
         slot = torch.where(sink, logical, self.sink_pages + logical % self.ring_pages)
         return torch.where(sink | recent, rows.long() * self.pages_per_row + slot, -1)
 
-    def table(self, rows: torch.Tensor, width: int, lengths: torch.Tensor) -> torch.Tensor:
-        """int32 [B, width]: the residual page of each logical page of rows [B] at lengths [B], or -1."""
+    def table(self, rows: torch.Tensor, width: int, lengths: torch.Tensor,
+              window_start: torch.Tensor | int = 0) -> torch.Tensor:
+        """int32 [B, width]: the residual page of each logical page of rows [B] at lengths [B] (window_start
+        [B] or one int), or -1."""
         logical = torch.arange(width, device=rows.device)[None, :]
-        return self.pages(rows[:, None], logical, lengths[:, None]).to(torch.int32)
+        if isinstance(window_start, torch.Tensor):
+            window_start = window_start[:, None]
+        return self.pages(rows[:, None], logical, lengths[:, None], window_start).to(torch.int32)
 
-    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                    window_start: torch.Tensor | int = 0) -> torch.Tensor:
         """long [T]: the residual slot of tokens at positions [T] of rows [T] when the request is
         `lengths` [T] tokens long after the write; -1 where the token's page keeps no residual."""
         ps = self.page_size
-        page = self.pages(rows, torch.div(positions, ps, rounding_mode="floor"), lengths)
+        page = self.pages(rows, torch.div(positions, ps, rounding_mode="floor"), lengths, window_start)
         return torch.where(page >= 0, page * ps + positions % ps, -1)
 
 
@@ -267,6 +275,8 @@ class PagedKVCache:
             self.v_res = [torch.zeros(res_shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
             self._k_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.k_scale]
             self._v_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.v_scale]
+            # the first logical page of each row eligible for the ring (KV cache state, set on admission)
+            self.res_window_start = torch.zeros(residual.rows + 1, dtype=torch.long, device=self.device)
 
     def _fill_garbage(self) -> None:
         """Seeded noise in page 0 and the guard pages: reading them visibly corrupts attention."""
@@ -307,10 +317,12 @@ class PagedKVCache:
             return 0
         return 2 * layout.num_pages * layout.page_size * n_layers * n_kv_heads * head_dim
 
-    def reset_residual(self, row: int) -> None:
-        """Zero a request row's residual pages (on admission: pages it never writes read as plain FP8)."""
+    def reset_residual(self, row: int, window_start: int = 0) -> None:
+        """On admission: zero a request row's residual pages (pages it never writes read as plain FP8)
+        and set its first logical page eligible for the ring."""
         if self.residual is None:
             return
+        self.res_window_start[row] = window_start
         per_row = self.residual.pages_per_row
         for res in (*self.k_res, *self.v_res):
             _raw(res)[row * per_row:(row + 1) * per_row] = 0
@@ -323,7 +335,7 @@ class PagedKVCache:
             return None
         if rows is None:
             raise ValueError("this cache keeps a KV residual: its forwards must pass the request rows")
-        return self.residual.write_slots(rows, positions, lengths)
+        return self.residual.write_slots(rows, positions, lengths, self.res_window_start[rows.long()])
 
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, n_layers: int, page_size: int, n_kv_heads: int,
@@ -362,7 +374,7 @@ class PagedKVCache:
         if self.residual is not None:
             if rows is None:
                 raise ValueError("this cache keeps a KV residual: decode needs the request rows")
-            res_table = self.residual.table(rows, block_table.shape[1], seq_lens)
+            res_table = self.residual.table(rows, block_table.shape[1], seq_lens, self.res_window_start[rows.long()])
         if self.backend == "torch":
             plan = decode_plan(block_table, seq_lens, self.page_size)
             return DecodePlan(plan.pages, plan.mask, res_table)
@@ -406,7 +418,7 @@ class PagedKVCache:
                 raise ValueError("this cache keeps a KV residual: gather needs the request's row and length")
             logical = torch.arange(pages.numel(), device=pages.device)
             res_pages = self.residual.pages(torch.tensor(row, device=pages.device), logical,
-                                            torch.tensor(length, device=pages.device))
+                                            torch.tensor(length, device=pages.device), self.res_window_start[row])
             k = _with_residual(k, self.k_res[layer], res_pages, self._k_res_tables[layer])
             v = _with_residual(v, self.v_res[layer], res_pages, self._v_res_tables[layer])
         k, v = k.flatten(0, 1)[:n_tokens], v.flatten(0, 1)[:n_tokens]
