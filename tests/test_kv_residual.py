@@ -37,8 +37,10 @@ def test_every_page_read_with_a_residual_reads_its_own(page_size, sink, window, 
                     owner[slot] = (row, pos)
             width = -(-length // page_size)
             table = layout.table(torch.tensor([row]), width, torch.tensor([length]))[0]
+            a, c = layout.bounds(torch.tensor([length]), torch.tensor([0]))[0].tolist()
             for pos in range(length):
                 page = int(table[pos // page_size])
+                assert page < 0 or pos < a or pos >= c, "the kernel's res_bounds would skip a residual"
                 if pos < sink or pos >= length - window:
                     assert page >= 0, f"token {pos} of {length} has no residual"
                 if page >= 0:

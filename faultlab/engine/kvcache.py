@@ -78,6 +78,14 @@ class ResidualLayout:
             window_start = window_start[:, None]
         return self.pages(rows[:, None], logical, lengths[:, None], window_start).to(torch.int32)
 
+    def bounds(self, lengths: torch.Tensor, window_start: torch.Tensor) -> torch.Tensor:
+        """int32 [B, 2]: (a, c) per request at lengths [B]: only tokens < a (the sink) or >= c (the ring)
+        can have a residual (the attention kernel's `res_bounds`)."""
+        cur = torch.div(lengths - 1, self.page_size, rounding_mode="floor")
+        ring_lo = torch.maximum(window_start, cur - self.ring_pages + 1)
+        sink = torch.full_like(ring_lo, self.sink_pages * self.page_size)
+        return torch.stack([sink, ring_lo * self.page_size], dim=1).to(torch.int32)
+
     def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                     window_start: torch.Tensor | int = 0) -> torch.Tensor:
         """long [T]: the residual slot of tokens at positions [T] of rows [T] when the request is
@@ -94,6 +102,7 @@ class DecodePlan:
     pages: torch.Tensor | None  # long [B, np]: pages of each row's live tokens, scratch 0 past them (torch)
     mask: torch.Tensor | None  # bool [B, 1, 1, np * page_size]: token j of row b is live (torch)
     res_table: torch.Tensor | None = None  # int32 [B, P]: residual page per logical page, -1 = none
+    res_bounds: torch.Tensor | None = None  # int32 [B, 2]: only tokens < [:, 0] or >= [:, 1] have one
 
 
 def decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
@@ -370,15 +379,17 @@ class PagedKVCache:
                     rows: torch.Tensor | None = None) -> DecodePlan | None:
         """The per-step part of decode attention, to share between layers (None on "triton" without a
         KV residual). A KV residual needs the request rows [B] of block_table's rows."""
-        res_table = None
+        res_table = res_bounds = None
         if self.residual is not None:
             if rows is None:
                 raise ValueError("this cache keeps a KV residual: decode needs the request rows")
-            res_table = self.residual.table(rows, block_table.shape[1], seq_lens, self.res_window_start[rows.long()])
+            window_start = self.res_window_start[rows.long()]
+            res_table = self.residual.table(rows, block_table.shape[1], seq_lens, window_start)
+            res_bounds = self.residual.bounds(seq_lens, window_start)
         if self.backend == "torch":
             plan = decode_plan(block_table, seq_lens, self.page_size)
-            return DecodePlan(plan.pages, plan.mask, res_table)
-        return None if res_table is None else DecodePlan(None, None, res_table)
+            return DecodePlan(plan.pages, plan.mask, res_table, res_bounds)
+        return None if res_table is None else DecodePlan(None, None, res_table, res_bounds)
 
     def decode_attention(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
                          seq_lens: torch.Tensor, sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
@@ -393,7 +404,7 @@ class PagedKVCache:
         if self.backend == "triton":
             attend = _kernel("paged_attention", "paged_decode_attention")
             extra = {} if plan is None else {"k_res": self.k_res[layer], "v_res": self.v_res[layer],
-                                             "res_table": plan.res_table}
+                                             "res_table": plan.res_table, "res_bounds": plan.res_bounds}
             return attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
                           self.k_scale[layer], self.v_scale[layer], **extra)
         plan = plan or decode_plan(block_table, seq_lens, self.page_size)

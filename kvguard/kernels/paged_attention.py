@@ -41,9 +41,74 @@ def _add_res(x, r_ptrs, r_mask, dtype: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(
+    acc, m_i, l_i, q, q_t, tok0, hi, b, kv_head, d, d_mask,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, k_res_ptr, v_res_ptr, res_table_ptr,
+    qk_scale, page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr, RES: tl.constexpr,
+):
+    """One online-softmax step over tokens tok0 .. tok0 + BLOCK_N - 1 (those < hi): (acc, m_i, l_i).
+
+    RES: add each token's residual where res_table names one (masked loads: none for the others).
+    """
+    tok = tok0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    t_mask = tok < hi
+    page = tl.load(block_table_ptr + b * stride_bt + tok // page_size, mask=t_mask, other=0).to(tl.int64)
+    offset = tok % page_size
+    k_rows = page * stride_kp + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+    v_rows = page * stride_vp + offset * stride_vs + kv_head * stride_vh
+    if RES:
+        res_page = tl.load(res_table_ptr + b * stride_rt + tok // page_size, mask=t_mask, other=-1).to(tl.int64)
+        r_tok = t_mask & (res_page >= 0)  # tokens without a residual load nothing
+        kr_rows = res_page * stride_krp + offset * stride_krs + kv_head * stride_krh
+        vr_rows = res_page * stride_vrp + offset * stride_vrs + kv_head * stride_vrh
+    if MODE == 0:
+        k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
+                      mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+        if RES:
+            k_t = _add_res(k_t, k_res_ptr + kr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None], q.dtype)
+        scores = _dot(q, k_t, None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+    elif MODE == 1:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        if RES:
+            k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], q.dtype)
+        scores = tl.trans(_dot(k, q_t, None, UPCAST)) * qk_scale  # [BLOCK_H, BLOCK_N]
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        if RES:
+            k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
+    scores = tl.where(t_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MODE == 1:
+        v_t = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None],
+                      mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+        if RES:
+            v_t = _add_res(v_t, v_res_ptr + vr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None], q.dtype)
+        acc = _dot(v_t, tl.trans(p.to(q.dtype)), acc * alpha[None, :], UPCAST)
+    else:
+        v_dtype = q.dtype if MODE == 0 else tl.float32
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(v_dtype)  # [BLOCK_N, BLOCK_D]
+        if RES:
+            v = _add_res(v, v_res_ptr + vr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], v_dtype)
+        if MODE == 0:
+            acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], UPCAST)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    k_res_ptr, v_res_ptr, res_table_ptr,
+    k_res_ptr, v_res_ptr, res_table_ptr, res_bounds_ptr,
     q_scale, qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -53,7 +118,8 @@ def _paged_decode_kernel(
     HAS_RES: tl.constexpr,
 ):
     # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
-    # HAS_RES: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table [B, max_pages] residual page ids (-1: none)
+    # HAS_RES: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table [B, max_pages] residual page ids (-1: none),
+    #   res_bounds [B, 2] int32 (a, c): only tokens < a or >= c may have a residual
     # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
     # MODE 0: heads fill the MMA rows (padded to BLOCK_H >= 16): s = q @ K^T, acc += p @ V.
     # MODE 1: tokens fill the MMA rows: s^T = K @ q^T, acc^T += V^T @ p^T (acc kept transposed).
@@ -75,6 +141,7 @@ def _paged_decode_kernel(
         q = q.to(tl.float16)
     else:
         q = q.to(q_ptr.dtype.element_ty)
+    q_t = q
     if MODE == 1:
         q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     seq_len = tl.load(seq_lens_ptr + b)
@@ -86,63 +153,36 @@ def _paged_decode_kernel(
         acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for tok0 in range(start, end, BLOCK_N):
-        tok = tok0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        t_mask = tok < end
-        page = tl.load(block_table_ptr + b * stride_bt + tok // page_size, mask=t_mask, other=0).to(tl.int64)
-        offset = tok % page_size
-        k_rows = page * stride_kp + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        v_rows = page * stride_vp + offset * stride_vs + kv_head * stride_vh
-        any_res = False
-        if HAS_RES:
-            res_page = tl.load(res_table_ptr + b * stride_rt + tok // page_size, mask=t_mask, other=-1).to(tl.int64)
-            r_tok = t_mask & (res_page >= 0)  # tokens without a residual load nothing
-            any_res = tl.max(r_tok.to(tl.int32), axis=0) > 0  # else the block skips the residual loads
-            kr_rows = res_page * stride_krp + offset * stride_krs + kv_head * stride_krh
-            vr_rows = res_page * stride_vrp + offset * stride_vrs + kv_head * stride_vrh
-        if MODE == 0:
-            k_t = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None],
-                          mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
-            if any_res:
-                k_t = _add_res(k_t, k_res_ptr + kr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None],
-                               q.dtype)
-            scores = _dot(q, k_t, None, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
-        elif MODE == 1:
-            k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            if any_res:
-                k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], q.dtype)
-            scores = tl.trans(_dot(k, q_t, None, UPCAST)) * qk_scale  # [BLOCK_H, BLOCK_N]
-        else:
-            k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            if any_res:
-                k = _add_res(k, k_res_ptr + kr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :],
-                             tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(t_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if MODE == 1:
-            v_t = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None],
-                          mask=t_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
-            if any_res:
-                v_t = _add_res(v_t, v_res_ptr + vr_rows[None, :] + d[:, None], r_tok[None, :] & d_mask[:, None],
-                               q.dtype)
-            acc = _dot(v_t, tl.trans(p.to(q.dtype)), acc * alpha[None, :], UPCAST)
-        else:
-            v_dtype = q.dtype if MODE == 0 else tl.float32
-            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(v_dtype)  # [BLOCK_N, BLOCK_D]
-            if any_res:
-                v = _add_res(v, v_res_ptr + vr_rows[:, None] + d[None, :], r_tok[:, None] & d_mask[None, :], v_dtype)
-            if MODE == 0:
-                acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], UPCAST)
-            else:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+    mid_lo, mid_hi = start, end  # the stretch read without residuals
+    if HAS_RES:
+        # NOTE: the residual loads and adds run only over the two stretches that may have residuals
+        # (a request's first and last pages); the middle keeps the plain loop. Three loops over a
+        # partition of [start, end): the online softmax does not care about the order.
+        sink_end = tl.load(res_bounds_ptr + 2 * b)
+        win_lo = tl.maximum(tl.load(res_bounds_ptr + 2 * b + 1), sink_end)
+        mid_lo, mid_hi = tl.maximum(start, sink_end), tl.minimum(end, win_lo)
+        sink_hi = tl.minimum(end, sink_end)
+        for tok0 in range(start, sink_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, q_t, tok0, sink_hi, b, kv_head, d, d_mask,
+                k_cache_ptr, v_cache_ptr, block_table_ptr, k_res_ptr, v_res_ptr, res_table_ptr,
+                qk_scale, page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
+                BLOCK_N, UPCAST, MODE, True)
+        for tok0 in range(tl.maximum(start, win_lo), end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, q_t, tok0, end, b, kv_head, d, d_mask,
+                k_cache_ptr, v_cache_ptr, block_table_ptr, k_res_ptr, v_res_ptr, res_table_ptr,
+                qk_scale, page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
+                BLOCK_N, UPCAST, MODE, True)
+    for tok0 in range(mid_lo, mid_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_t, tok0, mid_hi, b, kv_head, d, d_mask,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, k_res_ptr, v_res_ptr, res_table_ptr,
+            qk_scale, page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+            stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
+            BLOCK_N, UPCAST, MODE, False)
     has = l_i > 0
     inv_l = v_scale / tl.where(has, l_i, 1.0)
     if MODE == 1:
@@ -215,9 +255,11 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
             _fail(name, f"must be a positive finite number, got {float(s)}")
 
 
-def _validate_res(q, k_cache, block_table, k_res, v_res, res_table) -> bool:
+def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=None) -> bool:
     """Check the optional KV residual arguments (after _validate); True when they are given."""
     if k_res is None and v_res is None and res_table is None:
+        if res_bounds is not None:
+            _fail("res_bounds", "needs k_res, v_res and res_table")
         return False
     if res_table is None:
         _fail("res_table", "must be given together with k_res and v_res")
@@ -227,9 +269,14 @@ def _validate_res(q, k_cache, block_table, k_res, v_res, res_table) -> bool:
                            f"{tuple(res_table.shape)} {res_table.dtype}")
     if res_table.stride(1) != 1:
         _fail("res_table", "must be contiguous along its last dimension")
-    devices = {t.device for t in (q, k_res, v_res, res_table)}
+    if res_bounds is not None and (res_bounds.dtype != torch.int32 or res_bounds.shape != (block_table.shape[0], 2)
+                                   or not res_bounds.is_contiguous()):
+        _fail("res_bounds", f"must be a contiguous int32 [{block_table.shape[0]}, 2] tensor, got "
+                            f"{tuple(res_bounds.shape)} {res_bounds.dtype}")
+    tensors = (q, k_res, v_res, res_table) + (() if res_bounds is None else (res_bounds,))
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
-        _fail("k_res", f"v_res and res_table must be on q's device, got {sorted(map(str, devices))}")
+        _fail("k_res", f"v_res, res_table and res_bounds must be on q's device, got {sorted(map(str, devices))}")
     return True
 
 
@@ -283,15 +330,15 @@ def _choose(cache_dtype, group: int, n_splits: int) -> tuple[int, int, int, int]
 
 def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
                   n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None,
-                  k_res=None, v_res=None, res_table=None):
+                  k_res=None, v_res=None, res_table=None, res_bounds=None):
     """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size).
 
     ``mode``: 0 (heads fill the MMA rows), 1 (tokens fill them) or 2 (CUDA cores, no tl.dot); it,
     ``block_n``, ``num_warps`` and ``num_stages`` are chosen from the cache dtype and GQA group when None.
-    ``k_res``/``v_res``/``res_table``: optional KV residual (see :func:`paged_decode_attention`).
+    ``k_res``/``v_res``/``res_table``/``res_bounds``: optional KV residual (see :func:`paged_decode_attention`).
     """
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -323,11 +370,13 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
         target, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
     fp16_dot, q_scale, qk_scale = _dot_setup(q, k_cache, float(sm_scale), ks)
     if has_res:
-        res_args = (k_res, v_res, res_table)
+        if res_bounds is None:  # every token may have a residual
+            res_bounds = torch.zeros((n_batch, 2), dtype=torch.int32, device=q.device)
+        res_args = (k_res, v_res, res_table, res_bounds)
         res_strides = (k_res.stride(0), k_res.stride(1), k_res.stride(2), v_res.stride(0), v_res.stride(1),
                        v_res.stride(2), res_table.stride(0))
     else:
-        res_args, res_strides = (k_cache, v_cache, block_table), (0,) * 7  # not read
+        res_args, res_strides = (k_cache, v_cache, block_table, block_table), (0,) * 7  # not read
     _paged_decode_kernel[(n_batch, n_kv_heads, n_splits)](
         q, k_cache, v_cache, block_table, seq_lens, target, lse, *res_args,
         q_scale, qk_scale, vs, head_dim, page_size, split_tokens, n_splits,
@@ -346,7 +395,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0,
-                           k_res=None, v_res=None, res_table=None):
+                           k_res=None, v_res=None, res_table=None, res_bounds=None):
     """Decode attention of one query token per request over its paged K/V.
 
     Args:
@@ -359,18 +408,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
         k_res, v_res: optional float8_e4m3fn ``[Pr, page_size, Hkv, D]`` K and V residual pages (FP8 caches only).
         res_table: int32 ``[B, max_pages]`` with them (block_table's shape): residual page id of each
             logical page, or -1 for none; K reads ``(k_cache + k_res / RES_SCALE) * k_scale`` there, V likewise.
+        res_bounds: optional int32 ``[B, 2]`` with them, ``(a, c)`` per request: only its tokens ``< a`` or
+            ``>= c`` read a residual (the kernel runs its plain loop over ``[a, c)``); None = every token.
     Returns:
         ``[B, H, D]`` in ``q.dtype``; softmax and accumulation in fp32.
     """
     return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
-                         k_res=k_res, v_res=v_res, res_table=res_table)
+                         k_res=k_res, v_res=v_res, res_table=res_table, res_bounds=res_bounds)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
-                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None):
+                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None, res_bounds=None):
     """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
@@ -389,6 +440,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_sc
         if has_res:
             res_pages = res_table[b, pos // page_size].long()  # [n]
             has = res_pages >= 0
+            if res_bounds is not None:
+                has &= (pos < res_bounds[b, 0]) | (pos >= torch.maximum(res_bounds[b, 1], res_bounds[b, 0]))
             k[has] += k_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
             v[has] += v_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
         k, v = k * ks, v * vs
