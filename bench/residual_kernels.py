@@ -4,8 +4,9 @@
 
 llama3-8b attention shapes (H=32, Hkv=8, D=128, page 16), bf16 q, FP8 K/V at context 8192 on scattered
 pages. Attention variants: plain; residual with the engine's layout (first page and last 9 pages,
-res_bounds set); the same residual table without res_bounds (every token checks its table entry);
-residual kernels with empty residual stretches (the three-loop structure alone). Store: one token per
+res_bounds and res_max_tokens set, as the engine calls it); the same residual table without res_bounds
+(every token goes through the residual programs); residual with empty stretches (the launch structure
+alone). Store: one token per
 request, with and without residual slots. triton.testing.do_bench medians (us), variants interleaved
 over rounds.
 """
@@ -54,7 +55,7 @@ def main() -> None:
         attn = {
             "plain": lambda: paged_decode_attention(q, k_cache, v_cache, table, seq, d ** -0.5),
             "residual": lambda: paged_decode_attention(q, k_cache, v_cache, table, seq, d ** -0.5, **res,
-                                                       res_bounds=bounds),
+                                                       res_bounds=bounds, res_max_tokens=layout.max_tokens),
             "residual_no_bounds": lambda: paged_decode_attention(q, k_cache, v_cache, table, seq, d ** -0.5, **res),
             "residual_empty_stretches": lambda: paged_decode_attention(q, k_cache, v_cache, table, seq, d ** -0.5,
                                                                        **res, res_bounds=empty),

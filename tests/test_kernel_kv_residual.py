@@ -147,11 +147,12 @@ def make_res_case(seq_lens, page_size, n_heads, n_kv, head_dim, q_dtype, seed=0,
     return (q, k_cache, v_cache, block_table, lens), res, res_table, kv.view(2, *shape)
 
 
-def _check(case, res, res_table, sm_scale, name, **launch):
+def _check(case, res, res_table, sm_scale, name, res_max_tokens=None, **launch):
     """Kernel vs reference (res may hold res_bounds too); extra keywords go to the explicit launcher."""
     q = case[0]
     if launch:
-        out = _paged_decode(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table, **launch)
+        out = _paged_decode(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table,
+                            res_max_tokens=res_max_tokens, **launch)
     else:
         out = paged_decode_attention(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table)
     ref = paged_decode_attention_ref(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table)
@@ -183,12 +184,14 @@ def test_attention_residual_every_mode_and_split(q_dtype, n_splits, mode):
            n_splits=n_splits, mode=mode, block_n=32)
 
 
+@pytest.mark.parametrize("exact_max", [False, True])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("n_splits", [1, 3])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=_name)
-def test_attention_residual_bounds(q_dtype, n_splits, mode):
-    """res_bounds (a, c): residuals only before a and from c on; the kernel's plain middle loop and its
-    two residual loops partition the sequence (also when c < a, and a or c past the end)."""
+def test_attention_residual_bounds(q_dtype, n_splits, mode, exact_max):
+    """res_bounds (a, c): residuals only before a and from c on; the plain launch over the middle and
+    the residual programs over the joined ends partition the sequence (also when c < a, and a or c
+    past the end); res_max_tokens just large enough (32, the last request's sink) or None."""
     case, res, res_table, _ = make_res_case([1, 40, 70, 95], 16, 8, 2, 32, q_dtype, seed=330 + mode,
                                             res_fraction=1.0)
     bounds = torch.tensor([[16, 0], [16, 32], [0, 48], [32, 200]], dtype=torch.int32, device=DEVICE)
@@ -197,8 +200,12 @@ def test_attention_residual_bounds(q_dtype, n_splits, mode):
                                          res_bounds=bounds)
     assert rel_error(bounded[1:], full[1:]) > 1e-3  # the bounds drop residuals the table names
     assert_close(bounded[:1], full[:1], 0.0, "one token, inside the sink")
+    lens = case[4].long()
+    needed = int((bounds[:, 0] + (lens - torch.maximum(bounds[:, 0], bounds[:, 1])).clamp(min=0)).max())
+    assert needed == 32
+    extra = {"res_max_tokens": needed} if exact_max else {}
     _check(case, {**res, "res_bounds": bounds}, res_table, 32 ** -0.5,
-           f"residual bounds mode {mode} {q_dtype} x{n_splits}", n_splits=n_splits, mode=mode, block_n=16)
+           f"residual bounds mode {mode} {q_dtype} x{n_splits}", n_splits=n_splits, mode=mode, block_n=16, **extra)
 
 
 def test_attention_residual_matters():
@@ -244,6 +251,7 @@ def _bf16_caches(a):
     ("v_res", lambda a: a.update(v_res=None)),
     ("v_res", lambda a: a.update(v_res=a["v_res"][:1])),
     ("res_bounds", lambda a: a.update(res_bounds=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))),
+    ("res_max_tokens", lambda a: a.update(res_max_tokens=0)),
     ("res_bounds", lambda a: a.update(res_bounds=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE))),
     ("res_bounds", lambda a: a.update(k_res=None, v_res=None, res_table=None,
                                       res_bounds=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))),

@@ -55,6 +55,11 @@ class ResidualLayout:
         return self.sink_pages + self.ring_pages
 
     @property
+    def max_tokens(self) -> int:
+        """The most tokens of one request that can have a residual at once (the kernel's res_max_tokens)."""
+        return self.pages_per_row * self.page_size
+
+    @property
     def num_pages(self) -> int:
         """Residual pages in all, the scratch row's included."""
         return (self.rows + 1) * self.pages_per_row
@@ -404,7 +409,8 @@ class PagedKVCache:
         if self.backend == "triton":
             attend = _kernel("paged_attention", "paged_decode_attention")
             extra = {} if plan is None else {"k_res": self.k_res[layer], "v_res": self.v_res[layer],
-                                             "res_table": plan.res_table, "res_bounds": plan.res_bounds}
+                                             "res_table": plan.res_table, "res_bounds": plan.res_bounds,
+                                             "res_max_tokens": self.residual.max_tokens}
             return attend(q, self.k[layer], self.v[layer], block_table, seq_lens, sm_scale,
                           self.k_scale[layer], self.v_scale[layer], **extra)
         plan = plan or decode_plan(block_table, seq_lens, self.page_size)

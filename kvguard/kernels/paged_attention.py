@@ -119,8 +119,8 @@ def _paged_decode_kernel(
 ):
     # q: [B, H, D]; caches: [P, page_size, Hkv, D]; block_table: [B, max_pages]; seq_lens: [B]
     # PART 0: all tokens, no residual. With a KV residual, two launches split each request's tokens:
-    #   PART 1 reads the middle [a, c) the plain way; PART 2 (one program per request and KV head) reads
-    #   [0, a) and [c, seq_len) adding residuals: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table
+    #   PART 1 reads the middle [a, c) the plain way; PART 2 reads [0, a) and [c, seq_len) (joined, in
+    #   programs of split_tokens tokens) adding residuals: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table
     #   [B, max_pages] residual page ids (-1: none), res_bounds [B, 2] int32 (a, c). Both write partials
     #   (split slot `slot0 + split`), merged with the reduce kernel.
     # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
@@ -161,18 +161,21 @@ def _paged_decode_kernel(
         sink_end = tl.load(res_bounds_ptr + 2 * b)
         win_lo = tl.maximum(tl.load(res_bounds_ptr + 2 * b + 1), sink_end)
         lo, hi = tl.maximum(start, sink_end), tl.minimum(end, win_lo)
-    if PART == 2:  # [0, a) and [c, seq_len) with residuals (one program per request and KV head)
+    if PART == 2:  # [0, a) and [c, seq_len) with residuals, split like one sequence [0, a) + [c, seq_len)
         sink_end = tl.load(res_bounds_ptr + 2 * b)
         win_lo = tl.maximum(tl.load(res_bounds_ptr + 2 * b + 1), sink_end)
-        sink_hi = tl.minimum(end, sink_end)
-        for tok0 in range(start, sink_hi, BLOCK_N):
+        v_lo = split * split_tokens  # this program's stretch of the joined sequence
+        v_hi = v_lo + split_tokens
+        sink_hi = tl.minimum(tl.minimum(v_hi, sink_end), seq_len)
+        for tok0 in range(v_lo, sink_hi, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, q_t, tok0, sink_hi, b, kv_head, d, d_mask,
                 k_cache_ptr, v_cache_ptr, block_table_ptr, k_res_ptr, v_res_ptr, res_table_ptr,
                 qk_scale, page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
                 stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
                 BLOCK_N, UPCAST, MODE, True)
-        lo = tl.maximum(start, win_lo)
+        lo = win_lo + tl.maximum(v_lo, sink_end) - sink_end
+        hi = tl.minimum(seq_len, win_lo + v_hi - sink_end)
     for tok0 in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_t, tok0, hi, b, kv_head, d, d_mask,
@@ -252,7 +255,7 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
             _fail(name, f"must be a positive finite number, got {float(s)}")
 
 
-def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=None) -> bool:
+def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=None, res_max_tokens=None) -> bool:
     """Check the optional KV residual arguments (after _validate); True when they are given."""
     if k_res is None and v_res is None and res_table is None:
         if res_bounds is not None:
@@ -266,6 +269,8 @@ def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=N
                            f"{tuple(res_table.shape)} {res_table.dtype}")
     if res_table.stride(1) != 1:
         _fail("res_table", "must be contiguous along its last dimension")
+    if res_max_tokens is not None and not (isinstance(res_max_tokens, int) and res_max_tokens > 0):
+        _fail("res_max_tokens", f"must be a positive int, got {res_max_tokens!r}")
     if res_bounds is not None and (res_bounds.dtype != torch.int32 or res_bounds.shape != (block_table.shape[0], 2)
                                    or not res_bounds.is_contiguous()):
         _fail("res_bounds", f"must be a contiguous int32 [{block_table.shape[0]}, 2] tensor, got "
@@ -327,15 +332,16 @@ def _choose(cache_dtype, group: int, n_splits: int) -> tuple[int, int, int, int]
 
 def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
                   n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None,
-                  k_res=None, v_res=None, res_table=None, res_bounds=None):
+                  k_res=None, v_res=None, res_table=None, res_bounds=None, res_max_tokens=None):
     """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size).
 
     ``mode``: 0 (heads fill the MMA rows), 1 (tokens fill them) or 2 (CUDA cores, no tl.dot); it,
     ``block_n``, ``num_warps`` and ``num_stages`` are chosen from the cache dtype and GQA group when None.
-    ``k_res``/``v_res``/``res_table``/``res_bounds``: optional KV residual (see :func:`paged_decode_attention`).
+    ``k_res``/``v_res``/``res_table``/``res_bounds``/``res_max_tokens``: optional KV residual (see
+    :func:`paged_decode_attention`).
     """
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds, res_max_tokens)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -361,7 +367,8 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     # NOTE: with a KV residual the request's tokens go to two launches: the plain kernel over the middle
     # (split as usual) and a residual one over the first and last stretches (one more partial slot). A
     # single kernel running both kinds of loop measured 40-70% slower on its plain loop (H200).
-    n_parts = n_splits + (1 if has_res else 0)
+    n_res = triton.cdiv(min(res_max_tokens or max_tokens, max_tokens), block_n) if has_res else 0
+    n_parts = n_splits + n_res
     if n_parts > 1:
         part = torch.empty((n_batch, n_heads, n_parts, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((n_batch, n_heads, n_parts), dtype=torch.float32, device=q.device)
@@ -392,7 +399,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
 
     launch(n_splits, split_tokens, 0, 1 if has_res else 0)
     if has_res:
-        launch(1, n_splits * split_tokens, n_splits, 2)
+        launch(n_res, block_n, n_splits, 2)
     if n_parts > 1:
         _paged_decode_reduce_kernel[(n_batch, n_heads)](
             part, lse, out, n_heads, head_dim, n_parts, out.stride(0), out.stride(1),
@@ -402,7 +409,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0,
-                           k_res=None, v_res=None, res_table=None, res_bounds=None):
+                           k_res=None, v_res=None, res_table=None, res_bounds=None, res_max_tokens=None):
     """Decode attention of one query token per request over its paged K/V.
 
     Args:
@@ -417,18 +424,23 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
             logical page, or -1 for none; K reads ``(k_cache + k_res / RES_SCALE) * k_scale`` there, V likewise.
         res_bounds: optional int32 ``[B, 2]`` with them, ``(a, c)`` per request: only its tokens ``< a`` or
             ``>= c`` read a residual (the kernel runs its plain loop over ``[a, c)``); None = every token.
+        res_max_tokens: optional host int, at least ``a + max(0, seq_len - max(a, c))`` for every request: the
+            residual stretches are spread over that many tokens' worth of programs (None: the table's
+            width in tokens, always enough). A smaller value drops tokens: the caller must know it.
     Returns:
         ``[B, H, D]`` in ``q.dtype``; softmax and accumulation in fp32.
     """
     return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
-                         k_res=k_res, v_res=v_res, res_table=res_table, res_bounds=res_bounds)
+                         k_res=k_res, v_res=v_res, res_table=res_table, res_bounds=res_bounds,
+                         res_max_tokens=res_max_tokens)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
-                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None, res_bounds=None):
+                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None, res_bounds=None,
+                               res_max_tokens=None):
     """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
     _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds)
+    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds, res_max_tokens)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
