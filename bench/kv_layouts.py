@@ -2,8 +2,9 @@
 
     python bench/kv_layouts.py --positions 2000 --out bench/results/kv_layouts.json
 
-Rows "fp8" and "fp8 + Hadamard K" run the real FP8 cache (`faultlab eval-kv` without and with
-`--rotate-k`). The other rows are *simulations*: the test cache is float32 and every K/V vector is
+Rows "fp8", "fp8 + Hadamard K" and "fp8 + KV residual" run the real FP8 cache (`faultlab eval-kv`,
+`--rotate-k`, `--kv-residual`; the residual's capacity counts its pages: each request keeps
+`ResidualLayout.max_tokens` (160) tokens' worth of FP8 residual bytes). The other rows are *simulations*: the test cache is float32 and every K/V vector is
 rounded through the layout's formats on its way in (`fp8(x)` = e4m3 round trip at scale 1, which for
 e4m3 equals any per-layer scale: its precision is relative), so they measure accuracy only, not
 speed. `capacity` is tokens per byte relative to BF16 (2.0 = the write-up's "about 2x") at
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from faultlab import evalkv  # noqa: E402
-from faultlab.engine.kvcache import PagedKVCache, hadamard  # noqa: E402
+from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, hadamard  # noqa: E402
 
 
 def fp8(x: torch.Tensor) -> torch.Tensor:
@@ -65,17 +66,17 @@ def simulated(name: str, n_positions: int, window: int, page_size: int = 16) -> 
     round_k, round_v, sink, recent = SIMULATED[name]
     store, gather, copies = PagedKVCache.store, PagedKVCache.gather, {}
 
-    def rounding_store(self, layer, k, v, slots):
+    def rounding_store(self, layer, k, v, slots, res_slots=None):
         if self.dtype == "fp32":  # the test cache
             n_slots = self.k[layer].shape[0] * self.page_size
             ck, cv = copies.setdefault((id(self), layer), (torch.zeros(n_slots, *k.shape[1:]),
                                                             torch.zeros(n_slots, *k.shape[1:])))
             ck[slots], cv[slots] = bf16(k), bf16(v)
             k, v = round_k(k), round_v(v)
-        return store(self, layer, k, v, slots)
+        return store(self, layer, k, v, slots, res_slots)
 
-    def exact_gather(self, layer, page_row, n_tokens):
-        k, v = gather(self, layer, page_row, n_tokens)
+    def exact_gather(self, layer, page_row, n_tokens, **residual):
+        k, v = gather(self, layer, page_row, n_tokens, **residual)
         if self.dtype == "fp32" and (sink or recent):
             ck, cv = copies[(id(self), layer)]
             pages = page_row[:-(-n_tokens // self.page_size)].long()
@@ -105,19 +106,23 @@ def main() -> None:
     n, w = args.positions, args.window
     torch.set_num_threads(2)
     rows = []
+    layout = ResidualLayout.of(1, 16)  # the engine's default: first 16, last 128 tokens (+ the open page)
     runs = [("fp8 (per-layer scale)", 2.0, lambda: evalkv.eval_kv(n_positions=n, rotate_k=False, window=w)),
             ("fp8 + Hadamard K (opt-in)", 2.0, lambda: evalkv.eval_kv(n_positions=n, rotate_k=True, window=w)),
+            ("fp8 + KV residual, first 16 + last 128 tokens (engine.kv_residual)",
+             2 * args.capacity_context / (args.capacity_context + layout.max_tokens),
+             lambda: evalkv.eval_kv(n_positions=n, residual=True, window=w)),
             ("bf16 vs fp32 (noise floor)", 1.0,
              lambda: evalkv.eval_kv(n_positions=n, ref_kv="fp32", test_kv="bf16", window=w))]
     runs += [(name, capacity(name, args.capacity_context), lambda name=name: simulated(name, n, w))
              for name in SIMULATED]
     print(f"eval window {w} tokens; capacity at {args.capacity_context} tokens of context")
-    print(f"{'layout':60s} {'capacity':>8s} {'top-1':>7s} {'mean KL':>9s} {'ppl':>7s} {'s':>4s}", flush=True)
+    print(f"{'layout':68s} {'capacity':>8s} {'top-1':>7s} {'mean KL':>9s} {'ppl':>7s} {'s':>4s}", flush=True)
     for name, cap, run in runs:
         t = time.time()
         r = run()
         rows.append({"layout": name, "capacity_vs_bf16": round(cap, 3), **r})
-        print(f"{name:60s} {cap:8.2f} {r['top1_agreement']:7.3f} {r['mean_kl']:9.5f} {r['ppl_test']:7.3f} "
+        print(f"{name:68s} {cap:8.2f} {r['top1_agreement']:7.3f} {r['mean_kl']:9.5f} {r['ppl_test']:7.3f} "
               f"{time.time() - t:4.0f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "eval_window": w,

@@ -3,12 +3,13 @@
     python bench/residual_kernels.py --out bench/results/residual_kernels.json
 
 llama3-8b attention shapes (H=32, Hkv=8, D=128, page 16), bf16 q, FP8 K/V at context 8192 on scattered
-pages. Attention variants: plain; residual with the engine's layout (first page and last 9 pages,
-res_bounds and res_max_tokens set, as the engine calls it); the same residual table without res_bounds
-(every token goes through the residual programs); residual with empty stretches (the launch structure
-alone). Store: one token per
-request, with and without residual slots. triton.testing.do_bench medians (us), variants interleaved
-over rounds.
+pages. Attention variants: plain; "residual" as the engine calls it (the default layout's table, first
+page and last 9 pages, with res_bounds and res_max_tokens); "residual_no_bounds" (the same table, no
+res_bounds: every token goes through the residual programs); "residual_empty_stretches" (res_bounds
+with empty ends but no res_max_tokens: the residual launch's default spread over the whole table).
+Store: one token per request, with and without residual slots. triton.testing.do_bench medians (us),
+variants interleaved over rounds. These are eager launches, so at batch 1 the host's launch time shows
+in them; bench/layout_cost.py measures the whole decode step under CUDA graphs.
 """
 import argparse
 import json

@@ -116,3 +116,21 @@ def test_smoke_fault_classes_on_sglang_with_the_tracker(fault, sglang_smoke, bas
     if FAULTS[fault].detectable:
         assert on.victims >= 1 and on.victims_aborted == on.victims, on.to_json()
         assert on.corrupted_tokens_returned == 0
+
+
+def test_kv_residual_on_sglang_pool_matches_native():
+    """engine.kv_residual over SGLang's MHATokenToKVPool buffers: the same greedy tokens as the native
+    backend (the residual pages are the engine's own; SGLang's pool holds the main FP8 bytes)."""
+    config = dict(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=4,
+                  kv_residual=True, kv_residual_window=32)
+    outputs = {}
+    for memory in ("native", "sglang"):
+        engine = Engine(EngineConfig(memory=memory, **config))
+        assert engine.kv.residual is not None
+        requests = [Request(f"r{i}", list(range(3 + i, 60 + 7 * i)), 12) for i in range(3)]
+        for r in requests:
+            engine.add_request(r)
+        engine.run()
+        outputs[memory] = {r.rid: r.output for r in requests}
+        assert all(r.status == "finished" for r in requests)
+    assert outputs["sglang"] == outputs["native"]
