@@ -1,7 +1,6 @@
 """The FP8 KV residual (PagedKVCache.residual, engine.kv_residual): the ring's bookkeeping, the
 precision it buys, and the engine running with it (torch and Triton backends)."""
 import dataclasses
-import itertools
 
 import pytest
 import torch

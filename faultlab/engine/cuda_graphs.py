@@ -76,8 +76,7 @@ class GraphedDecode:
         return buf.out[:b].clone()
 
     def _forward(self, buf: _Bucket) -> torch.Tensor:
-        rows = {} if self.kv.residual is None else {"rows": buf.rows}
-        return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots, **rows)
+        return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots, rows=buf.rows)
 
     def _pad_row(self) -> int:
         """The request row of padding rows: the KV residual's scratch row (no request owns it)."""

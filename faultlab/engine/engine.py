@@ -16,7 +16,7 @@ import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
-from .kvcache import ResidualLayout, PagedKVCache
+from .kvcache import PagedKVCache, ResidualLayout
 from .memory import PageAllocator, ReqToPagePool
 from .radix import RadixCache
 from .requests import Event, Request
@@ -131,7 +131,7 @@ class Engine:
         self.residual = None
         if config.kv_residual:
             self.residual = ResidualLayout.of(config.max_running, config.page_size, config.kv_residual_sink,
-                                                 config.kv_residual_window)
+                                              config.kv_residual_window)
         # NOTE: the KV residual's pages come out of the same budget, so FP8 + residual is compared
         # with BF16 at equal memory.
         residual = PagedKVCache.residual_bytes(self.residual, mc.n_layers, mc.n_kv_heads, mc.head_dim)
@@ -365,11 +365,8 @@ class Engine:
         ``row``: the request's row (a KV residual needs it)."""
         model = self.model if model is None else model
         kv = self.kv if kv is None else kv
-        last = self._last_forward_kwargs(graphed=False)
-        if row is not None and kv.residual is not None:
-            last, row_kw = {**last, "row": row}, {"row": row}
-        else:
-            row_kw = {}
+        row_kw = {} if row is None else {"row": row}
+        last = {**self._last_forward_kwargs(graphed=False), **row_kw}
         if not self.config.batch_invariant:
             return model.prefill(tokens, start, kv, page_row, slots, last_only=True, **last)
         # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
@@ -395,9 +392,7 @@ class Engine:
         """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
         if self.graphs is not None:
             return self.graphs(tokens, positions, block, slots, rows)
-        if self.kv.residual is not None:
-            last = {**last, "rows": rows}
-        return self.model.decode(tokens, positions, self.kv, block, slots, **last)
+        return self.model.decode(tokens, positions, self.kv, block, slots, rows=rows, **last)
 
     def _last_forward_kwargs(self, graphed: bool) -> dict:
         """Extra keyword arguments for the last model call of a forward (none here; a TP rank's verdict

@@ -168,9 +168,8 @@ class LlamaModel:
         res_slots = None
         if kv.residual is not None:
             positions = torch.arange(start_pos, start_pos + t, device=tokens.device)
-            rows = torch.full_like(positions, -1 if row is None else row)
-            res_slots = kv.residual_slots(None if row is None else rows, positions,
-                                          torch.full_like(positions, start_pos + t))
+            rows = None if row is None else torch.full_like(positions, row)
+            res_slots = kv.residual_slots(rows, positions, torch.full_like(positions, start_pos + t))
         for i in range(len(self.layers)):
             x = self._prefill_layer(i, x, rot, start_pos, kv, page_row, write_slots, row, res_slots)
         return self._logits(x[-1:] if last_only else x)
