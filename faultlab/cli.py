@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--residual-window", type=int,
                     help="tokens (--kv-residual; default engine.kv_residual_window)")
     ev.add_argument("--window", type=int, default=512, help="tokens of context per text window")
+    ev.add_argument("--prompt", type=int, default=0,
+                    help="the first N tokens of each window are a prompt, prefilled at once and not counted "
+                         "(decoding right after a prompt; default: a long generation)")
     ev.add_argument("--json", dest="json_out")
     return parser
 
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
         bench_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
+    args.command_line = "faultlab " + " ".join(argv)  # recorded in result files
     from .scenario import ScenarioError
     from .faults.catalog import UnknownFault
 
@@ -257,10 +261,10 @@ def cmd_eval_kv(args) -> int:
     sink = defaults.kv_residual_sink if args.residual_sink is None else args.residual_sink
     window = defaults.kv_residual_window if args.residual_window is None else args.residual_window
     result = eval_kv(args.model, n_positions=args.positions, window=args.window, rotate_k=args.rotate_k,
-                     residual=args.kv_residual, residual_sink=sink, residual_window=window)
+                     residual=args.kv_residual, residual_sink=sink, residual_window=window, prompt=args.prompt)
     print(result)
     if args.json_out:
-        write_json(args.json_out, result)
+        write_json(args.json_out, {"command": args.command_line, **result})
     return 0
 
 

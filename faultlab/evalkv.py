@@ -55,17 +55,22 @@ def _page_row(n_tokens: int, page_size: int, device) -> torch.Tensor:
 
 
 def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk: int, page_size: int,
-                   rotate_k: bool = False, residual: ResidualLayout | None = None):
-    """Logits float32 [T, V] of one window fed chunk by chunk into a fresh cache of `kv_dtype`
-    (one request, row 0)."""
+                   rotate_k: bool = False, residual: ResidualLayout | None = None, head: int = 0,
+                   window_start: int = 0):
+    """Logits float32 [T, V] of one window fed into a fresh cache of `kv_dtype` (one request, row 0):
+    its first `head` tokens (at least `chunk`) in one piece, then chunk by chunk. `window_start`: the
+    residual ring's first page (PagedKVCache.reset_residual)."""
     c, device = model.config, tokens.device
     page_row = _page_row(tokens.numel(), page_size, device)
     kv = PagedKVCache(c.n_layers, page_row.numel(), page_size, c.n_kv_heads, c.head_dim, kv_dtype,
                       device, model.backend, rotate_k=rotate_k, residual=residual)
+    kv.reset_residual(0, window_start=window_start)
     pos = torch.arange(tokens.numel(), device=device)
     slots = page_row[pos // page_size].long() * page_size + pos % page_size  # [T]
-    out = [model.prefill(tokens[s:s + chunk], s, kv, page_row, slots[s:s + chunk], row=0)
-           for s in range(0, tokens.numel(), chunk)]
+    head = max(head, chunk)
+    starts = [0, *range(head, tokens.numel(), chunk)]
+    ends = [*starts[1:], tokens.numel()]
+    out = [model.prefill(tokens[s:e], s, kv, page_row, slots[s:e], row=0) for s, e in zip(starts, ends)]
     return torch.cat(out)
 
 
@@ -81,7 +86,8 @@ def _compare(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch
 
 
 def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, length) of consecutive windows that count n_positions positions after their first chunk."""
+    """(start, length) of consecutive windows that count n_positions positions after their first `chunk`
+    tokens."""
     spans, start, left = [], 0, n_positions
     while left > 0:
         length = min(window, chunk + left)
@@ -93,20 +99,26 @@ def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
             backend: str = "torch", device: str = "cpu", rotate_k: bool = False, residual: bool = False,
-            residual_sink: int = 16, residual_window: int = 128) -> dict:
+            residual_sink: int = 16, residual_window: int = 128, prompt: int = 0) -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
     `rotate_k` turns on the test cache's Hadamard K rotation, `residual` its KV residual for each
     window's first `residual_sink` and last `residual_window` tokens (`PagedKVCache`); the reference
-    cache has neither.
+    cache has neither. `prompt` > 0: the first `prompt` tokens of each window are a prompt, prefilled in
+    one piece (fresh K/V, the same in both caches) and not counted; the residual ring skips the prompt
+    pages the prefix cache could share, as in the engine. This measures decoding right after a prompt;
+    the default measures a long generation (every earlier token in the ring's reach).
     Returns {"positions", "top1_agreement", "mean_kl", "max_kl", "ppl_ref", "ppl_test"}: KL(p_ref || p_test)
     in nats per position, and the perplexity of the text under each cache (for scale).
     """
-    if n_positions < 1 or chunk < 1 or window <= chunk:
-        raise ValueError(f"need n_positions >= 1 and window > chunk >= 1; got {n_positions}, {window}, {chunk}")
+    head = max(chunk, prompt)
+    if n_positions < 1 or chunk < 1 or window <= head:
+        raise ValueError(f"need n_positions >= 1, chunk >= 1 and window > max(chunk, prompt); got {n_positions}, "
+                         f"{chunk}, {window}, {prompt}")
     config, weights, _ = _load(model_name, weight_dtype, device)
     model = LlamaModel(config, weights, backend=backend, act_dtype=torch.float32)
-    spans = _windows(n_positions, window, chunk)
+    spans = _windows(n_positions, window, head)
+    window_start = (prompt - 1) // page_size if prompt else 0  # the engine's first non-shareable page
     layout = ResidualLayout.of(1, page_size, residual_sink, residual_window) if residual else None
     text = torch.tensor(english_tokens(sum(n for _, n in spans), model_name), device=device)
     totals: dict = {}
@@ -114,11 +126,11 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
         tokens = text[start:start + length]
         # NOTE: the first chunk of a window attends to its own fresh K/V only, identical for both
         # caches, so it is left out of the counts (it would inflate the agreement).
-        ref = _window_logits(model, tokens, ref_kv, chunk, page_size, rotate_k=False)[chunk:]
-        test = _window_logits(model, tokens, test_kv, chunk, page_size, rotate_k, layout)[chunk:]
-        for key, value in _compare(ref, test, tokens[chunk + 1:]).items():
+        ref = _window_logits(model, tokens, ref_kv, chunk, page_size, head=head)[head:]
+        test = _window_logits(model, tokens, test_kv, chunk, page_size, rotate_k, layout, head, window_start)[head:]
+        for key, value in _compare(ref, test, tokens[head + 1:]).items():
             totals[key] = max(totals.get(key, 0.0), value) if key == "max_kl" else totals.get(key, 0) + value
-    return {"positions": n_positions, "test_kv": test_kv, "ref_kv": ref_kv,
+    return {"positions": n_positions, "window": window, "prompt": prompt, "test_kv": test_kv, "ref_kv": ref_kv,
             "rotate_k": rotate_k, "residual": None if layout is None else
             {"sink_tokens": residual_sink, "window_tokens": residual_window}, "top1_agreement": totals["agree"] / n_positions,
             "mean_kl": totals["kl"] / n_positions, "max_kl": totals["max_kl"],
