@@ -13,9 +13,11 @@ kernel merges the partial results by their log-sum-exp (flash-decoding).
 Optional KV residual (FP8 caches only, written by ``store_kv``): ``res_table[b, j] >= 0`` names the page of
 ``k_res`` and ``v_res`` holding logical page ``j``'s residual bytes, and those tokens read K as
 ``(k_cache + k_res / RES_SCALE) * k_scale`` and V likewise (about 4 more significant bits); -1 means no
-residual. The sums are formed in fp32 before the cast to the dot dtype; a block of tokens none of which
-has a residual skips the residual loads altogether (a branch per block), so a request whose residual
-covers only its first and last pages pays for those pages only.
+residual. The sums are formed in fp32 before the cast to the dot dtype. ``res_bounds`` (a, c) says that
+only a request's tokens before a and from c on can have one: the unchanged plain kernel then reads the
+middle [a, c) (split as usual), and residual programs read the two ends joined, ``res_max_tokens`` at
+most, in blocks; the partial results merge by log-sum-exp. A request whose residual covers only its
+first and last pages pays for those pages only.
 """
 import torch
 import triton
@@ -109,7 +111,7 @@ def _attend_block(
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     k_res_ptr, v_res_ptr, res_table_ptr, res_bounds_ptr,
-    q_scale, qk_scale, v_scale, head_dim, page_size, split_tokens, n_splits, slot0,
+    q_scale, qk_scale, v_scale, head_dim, page_size, split_tokens, n_parts, slot0,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     stride_krp, stride_krs, stride_krh, stride_vrp, stride_vrs, stride_vrh, stride_rt,
@@ -123,7 +125,7 @@ def _paged_decode_kernel(
     #   programs of split_tokens tokens) adding residuals: k_res, v_res [Pr, page_size, Hkv, D] FP8, res_table
     #   [B, max_pages] residual page ids (-1: none), res_bounds [B, 2] int32 (a, c). Both write partials
     #   (split slot `slot0 + split`), merged with the reduce kernel.
-    # out: [B, H, D] (SPLIT=False) or partial [B, H, n_splits, D] fp32 + lse [B, H, n_splits]
+    # out: [B, H, D] (SPLIT=False) or partial [B, H, n_parts, D] fp32 + lse [B, H, n_parts]
     # MODE 0: heads fill the MMA rows (padded to BLOCK_H >= 16): s = q @ K^T, acc += p @ V.
     # MODE 1: tokens fill the MMA rows: s^T = K @ q^T, acc^T += V^T @ p^T (acc kept transposed).
     # MODE 2: no tl.dot; the BLOCK_H (>= GROUP, any power of two) heads multiply-and-sum on CUDA cores.
