@@ -86,3 +86,13 @@ def test_tp_run_bad_input_exits_2(capsys):
     assert main(["--model", "no-such-model"]) == 2
     assert main(["--model", "smollm2"]) == 2  # GGUF weights are single-process
     assert "error:" in capsys.readouterr().err
+
+
+def test_tp_with_kv_residual_aborts_the_same_request_and_equals_single_process():
+    """engine.kv_residual on 2 ranks (each keeps the residual of its KV-head shard): rank-local faults
+    still abort the same request everywhere, and the fault-free outputs equal the single process's."""
+    spec = replace(SPEC, seeds=(0,), check_logits=False,
+                   engine=replace(SPEC.engine, kv_dtype="fp8", kv_residual=True, kv_residual_window=32))
+    results, hung = launch(spec, nproc=2, deadline_s=180.0)
+    totals = judge(spec, results, hung, nproc=2)["totals"]
+    assert totals["ok"] and totals["same_aborts_all_ranks"] == 1 and totals["tp_equals_single_process"] == 1, totals
