@@ -68,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-residual", action="store_true",
                     help="the FP8 cache with its opt-in KV residual for each window's first and last tokens "
                          "(engine.kv_residual)")
-    ev.add_argument("--residual-sink", type=int, help="tokens (--kv-residual; default engine.kv_residual_sink)")
-    ev.add_argument("--residual-window", type=int,
-                    help="tokens (--kv-residual; default engine.kv_residual_window)")
+    ev.add_argument("--residual-sink", type=int, help="tokens (--kv-residual; default: engine.kv_residual_sink)")
+    ev.add_argument("--residual-window", type=int, help="tokens (--kv-residual; default: engine.kv_residual_window)")
     ev.add_argument("--window", type=int, default=512, help="tokens of context per text window")
     ev.add_argument("--prompt", type=int, default=0,
                     help="the first N tokens of each window are a prompt, prefilled at once and not counted "
@@ -255,13 +254,10 @@ def cmd_eval_kv(args) -> int:
     from .evalkv import eval_kv
     from .report import write_json
 
-    from .engine.engine import EngineConfig
-
-    defaults = EngineConfig()
-    sink = defaults.kv_residual_sink if args.residual_sink is None else args.residual_sink
-    window = defaults.kv_residual_window if args.residual_window is None else args.residual_window
+    sizes = {k: v for k, v in (("residual_sink", args.residual_sink), ("residual_window", args.residual_window))
+             if v is not None}
     result = eval_kv(args.model, n_positions=args.positions, window=args.window, rotate_k=args.rotate_k,
-                     residual=args.kv_residual, residual_sink=sink, residual_window=window, prompt=args.prompt)
+                     residual=args.kv_residual, prompt=args.prompt, **sizes)
     print(result)
     if args.json_out:
         write_json(args.json_out, {"command": args.command_line, **result})

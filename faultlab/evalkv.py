@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from faultlab.engine.kvcache import ResidualLayout, PagedKVCache
+from faultlab.engine.kvcache import RESIDUAL_SINK, RESIDUAL_WINDOW, PagedKVCache, ResidualLayout
 from faultlab.engine.model import LlamaModel
 
 
@@ -99,7 +99,7 @@ def _windows(n_positions: int, window: int, chunk: int) -> list[tuple[int, int]]
 def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int = 512, chunk: int = 32,
             page_size: int = 16, ref_kv: str = "bf16", test_kv: str = "fp8", weight_dtype: str = "int4",
             backend: str = "torch", device: str = "cpu", rotate_k: bool = False, residual: bool = False,
-            residual_sink: int = 16, residual_window: int = 128, prompt: int = 0) -> dict:
+            residual_sink: int = RESIDUAL_SINK, residual_window: int = RESIDUAL_WINDOW, prompt: int = 0) -> dict:
     """Compare a `test_kv` (FP8) with a `ref_kv` (BF16) KV cache over `n_positions` next-token positions.
 
     `rotate_k` turns on the test cache's Hadamard K rotation, `residual` its KV residual for each

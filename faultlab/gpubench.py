@@ -120,8 +120,9 @@ class DecodeState:
             for cache in (self.kv.k[layer], self.kv.v[layer]):
                 cache.view(torch.uint8 if cache.dtype == torch.float8_e4m3fn else cache.dtype)[1:num_pages + 1] \
                     .copy_(_noise(cache, num_pages))
-            for res in (*self.kv.k_res[layer:layer + 1], *self.kv.v_res[layer:layer + 1]):
-                res.view(torch.uint8).copy_(_noise(res, res.shape[0]))
+            if self.kv.residual is not None:
+                for res in (self.kv.k_res[layer], self.kv.v_res[layer]):
+                    res.view(torch.uint8).copy_(_noise(res, res.shape[0]))
         self.tracker = TagTracker(TrackerConfig(mode="check", log_violations=False))
         self.tracker.attach(num_pages=num_pages + 1, num_rows=batch, max_entries=self.width, device=dev,
                             page_size=page_size)

@@ -16,7 +16,7 @@ import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
-from .kvcache import PagedKVCache, ResidualLayout
+from .kvcache import RESIDUAL_SINK, RESIDUAL_WINDOW, PagedKVCache, ResidualLayout
 from .memory import PageAllocator, ReqToPagePool
 from .radix import RadixCache
 from .requests import Event, Request
@@ -45,8 +45,8 @@ class EngineConfig:
     kv_dtype: str = "fp8"
     kv_rotate_k: bool = False  # Hadamard-rotated K in the decode cache (PagedKVCache.rotate_k)
     kv_residual: bool = False  # FP8 K/V at ~BF16 precision for each request's first/last tokens
-    kv_residual_sink: int = 16  # tokens at the start of each request that keep their KV residual
-    kv_residual_window: int = 128  # most recent tokens of each request that keep their KV residual
+    kv_residual_sink: int = RESIDUAL_SINK  # tokens at the start of each request that keep their KV residual
+    kv_residual_window: int = RESIDUAL_WINDOW  # most recent tokens of each request that keep their KV residual
     weight_dtype: str = "int4"
     page_size: int = 16
     kv_budget_mb: float = 4.0  # KV memory; pages = budget / page bytes (FP8 fits ~2x BF16)

@@ -12,6 +12,7 @@ BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; kvguard.kernels.kv_store.RES_SCALE
+RESIDUAL_SINK, RESIDUAL_WINDOW = 16, 128  # default tokens with a residual: first (sink), most recent
 
 
 def _kernel(module: str, name: str):
@@ -43,7 +44,8 @@ class ResidualLayout:
     ring_pages: int
 
     @classmethod
-    def of(cls, rows: int, page_size: int, sink_tokens: int = 16, window_tokens: int = 128) -> "ResidualLayout":
+    def of(cls, rows: int, page_size: int, sink_tokens: int = RESIDUAL_SINK,
+           window_tokens: int = RESIDUAL_WINDOW) -> "ResidualLayout":
         """At least `sink_tokens` first and `window_tokens` most recent tokens of each request."""
         if rows < 1 or sink_tokens < 0 or window_tokens < 1:
             raise ValueError(f"KV residual: need rows >= 1, sink_tokens >= 0, window_tokens >= 1; got "

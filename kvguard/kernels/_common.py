@@ -32,12 +32,18 @@ def check_cache_pair(k_cache, v_cache, fail) -> None:
                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
 
 
-def check_residual_pair(k_cache, k_res, v_res, partner: str, fail) -> bool:
-    """Check the residual pages k_res/v_res that come with `partner` (res_slots or res_table): both
-    given, FP8 like the cache, shaped like its pages; raises through `fail(name, why)`."""
+def check_residual_pair(k_cache, k_res, v_res, partner_name: str, partner, fail) -> bool:
+    """The optional residual pages k_res/v_res and the index tensor that comes with them (`partner`:
+    res_slots or res_table): False when none is given; else all three given, the pages FP8 like the
+    cache and shaped like its pages (True). Raises through `fail(name, why)`; the caller checks the
+    partner's own shape and dtype."""
+    if k_res is None and v_res is None and partner is None:
+        return False
+    if partner is None:
+        fail(partner_name, "must be given together with k_res and v_res")
     for name, res in (("k_res", k_res), ("v_res", v_res)):
         if res is None:
-            fail(name, f"must be given together with the other residual arguments ({partner})")
+            fail(name, f"must be given together with the other residual arguments ({partner_name})")
         if k_cache.dtype != torch.float8_e4m3fn:
             fail(name, f"needs a float8_e4m3fn cache, got {k_cache.dtype}")
         if res.dim() != 4 or res.dtype != torch.float8_e4m3fn or tuple(res.shape[1:]) != tuple(k_cache.shape[1:]):

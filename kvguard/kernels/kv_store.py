@@ -181,11 +181,8 @@ def _validate(k, v, k_cache, v_cache, slots):
 
 def _validate_res(k, k_cache, k_res, v_res, res_slots) -> bool:
     """Check the optional KV residual arguments (after _validate); True when they are given."""
-    if k_res is None and v_res is None and res_slots is None:
+    if not check_residual_pair(k_cache, k_res, v_res, "res_slots", res_slots, _fail):
         return False
-    if res_slots is None:
-        _fail("res_slots", "must be given together with k_res and v_res")
-    check_residual_pair(k_cache, k_res, v_res, "res_slots", _fail)
     if res_slots.dim() != 1 or res_slots.dtype not in (torch.int32, torch.int64) or res_slots.numel() != k.shape[0]:
         _fail("res_slots", f"must be a 1-D int32/int64 tensor of {k.shape[0]} slots (or -1), got "
                            f"{tuple(res_slots.shape)} {res_slots.dtype}")

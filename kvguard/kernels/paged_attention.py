@@ -259,13 +259,10 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
 
 def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=None, res_max_tokens=None) -> bool:
     """Check the optional KV residual arguments (after _validate); True when they are given."""
-    if k_res is None and v_res is None and res_table is None:
+    if not check_residual_pair(k_cache, k_res, v_res, "res_table", res_table, _fail):
         if res_bounds is not None:
             _fail("res_bounds", "needs k_res, v_res and res_table")
         return False
-    if res_table is None:
-        _fail("res_table", "must be given together with k_res and v_res")
-    check_residual_pair(k_cache, k_res, v_res, "res_table", _fail)
     if res_table.dtype != torch.int32 or res_table.shape != block_table.shape:
         _fail("res_table", f"must be an int32 tensor shaped like block_table {tuple(block_table.shape)}, got "
                            f"{tuple(res_table.shape)} {res_table.dtype}")
