@@ -1,4 +1,10 @@
-"""Typed settings, read in one place: ``TrackerConfig`` and the ``KVGUARD_*`` environment registry."""
+"""Typed settings, read in one place: ``TrackerConfig`` and the ``KVGUARD_*`` environment registry.
+
+One normalisation for every string setting (:func:`_normalise`: surrounding blanks dropped, lower case),
+applied by the dataclass itself, so ``TrackerConfig(mode="CHECK")`` and ``KVGUARD_MODE=CHECK`` agree.
+Booleans: the dataclass takes only ``True``/``False``; the environment spells them 1/0, true/false,
+yes/no or on/off (:data:`FLAG_WORDS`). An empty value is never accepted.
+"""
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping
@@ -6,25 +12,43 @@ from typing import Mapping
 ENV_PREFIX = "KVGUARD_"
 MODES = ("off", "check")
 BACKENDS = ("auto", "triton", "torch")
+CHOICES = {"mode": MODES, "backend": BACKENDS}  # the string fields of TrackerConfig and their choices
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+              "off": False}
+_FLAG_HELP = "use 1/0, true/false, yes/no or on/off"
 
 
 class SettingsError(ValueError):
     """A setting (config field or KVGUARD_* variable) has a value we do not accept."""
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise SettingsError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
-    return value
+def _normalise(value: str) -> str:
+    """The one normalisation of a string setting (config field or environment value)."""
+    return value.strip().lower()
+
+
+def _choice(name: str, value, choices: tuple[str, ...]) -> str:
+    """``value`` normalised, if it is one of ``choices``; else SettingsError naming name, value, choices."""
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}={value!r} is not a string; choose one of {', '.join(choices)}")
+    normal = _normalise(value)
+    if normal not in choices:
+        what = "is empty" if not normal else "is not valid"
+        raise SettingsError(f"{name}={value!r} {what}; choose one of {', '.join(choices)}")
+    return normal
 
 
 def _flag(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+    """An environment boolean (one of FLAG_WORDS, any case, blanks ignored)."""
+    normal = _normalise(value)
+    if normal not in FLAG_WORDS:
+        what = "is empty, not a boolean" if not normal else "is not a boolean"
+        raise SettingsError(f"{name}={value!r} {what}; {_FLAG_HELP}")
+    return FLAG_WORDS[normal]
+
+
+def _is_bool_field(f) -> bool:
+    return f.type in (bool, "bool")
 
 
 @dataclass(frozen=True)
@@ -32,10 +56,13 @@ class TrackerConfig:
     """How a deployment runs kvguard. ``mode="off"`` (the default) is the no-op tracker.
 
     Attributes:
-        mode: ``off`` (NoopTracker, no device or host work) or ``check`` (TagTracker).
-        backend: ``triton`` (the kernel), ``torch`` (the reference) or ``auto`` (triton on CUDA).
-        quarantine: redirect failing entries to the scratch page before attention reads them.
-        log_violations: emit one structlog event per violation.
+        mode: ``off`` (NoopTracker, no device or host work) or ``check`` (TagTracker); any case.
+        backend: ``triton`` (the kernel), ``torch`` (the reference) or ``auto`` (triton on CUDA); any case.
+        quarantine: redirect failing entries to the scratch page before attention reads them (a bool).
+        log_violations: emit one structlog event per violation (a bool).
+
+    Raises SettingsError for an unknown or empty choice, or a non-bool boolean (``"false"`` is a
+    string, and a truthy one: it is rejected rather than read as True).
     """
 
     mode: str = "off"
@@ -44,20 +71,30 @@ class TrackerConfig:
     log_violations: bool = True
 
     def __post_init__(self):
-        _choice("mode", self.mode, MODES)
-        _choice("backend", self.backend, BACKENDS)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in CHOICES:
+                object.__setattr__(self, f.name, _choice(f.name, value, CHOICES[f.name]))
+            elif _is_bool_field(f) and not isinstance(value, bool):
+                raise SettingsError(f"{f.name}={value!r} is not a bool; use True or False "
+                                    f"(the {ENV_PREFIX}{f.name.upper()} variable: {_FLAG_HELP})")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TrackerConfig":
-        """Build from ``KVGUARD_MODE``, ``KVGUARD_BACKEND``, ``KVGUARD_QUARANTINE``, ``KVGUARD_LOG_VIOLATIONS``."""
+        """Build from ``KVGUARD_MODE``, ``KVGUARD_BACKEND``, ``KVGUARD_QUARANTINE``, ``KVGUARD_LOG_VIOLATIONS``.
+
+        ``overrides`` (config values) win over the environment. Any bad variable raises SettingsError
+        naming the variable, its value and what is allowed.
+        """
         env = os.environ if env is None else env
         values = {}
         for f in fields(cls):
             key = ENV_PREFIX + f.name.upper()
-            if key in env:
-                values[f.name] = _flag(key, env[key]) if f.type in (bool, "bool") else env[key].strip().lower()
+            if key not in env:  # a bad variable is an error even where an override wins
+                continue
+            if _is_bool_field(f):
+                values[f.name] = _flag(key, env[key])
+            else:  # checked here so that the message names the variable, not the field
+                values[f.name] = _choice(key, env[key], CHOICES[f.name])
         values.update(overrides)
-        try:
-            return cls(**values)
-        except SettingsError as err:
-            raise SettingsError(f"{err} (from the {ENV_PREFIX}* environment or config)") from None
+        return cls(**values)
