@@ -6,6 +6,8 @@ a request slot gains and releases pages, ``validate`` right before a forward rea
 launch, no sync), and ``resolve`` after the engine has copied the verdict to the host together with the
 sampled token ids.
 """
+import operator
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +86,19 @@ class NoopTracker:
 
 
 class TagTracker(NoopTracker):
-    """Tag-versioned page tracker: tags bump on alloc and free; expected (page, tag) per request slot."""
+    """Tag-versioned page tracker: tags bump on alloc and free; expected (page, tag) per request slot.
+
+    Threads: safe to share. One lock (``self.lock``, re-entrant) serialises tag issuance (``on_alloc``,
+    ``on_free``) and every write or read of the expected tags (``record``, ``record_many``, ``drop``,
+    ``held_pages``, ``resolve``, transfers), so tags stay unique under concurrent callers.
+    ``fresh_tags`` is per thread: it holds the tags of the calling thread's last ``on_alloc``.
+    A caller that must make several calls atomically (alloc then record) holds ``with tracker.lock:``.
+
+    Misuse raises ValueError (or RuntimeError before ``attach``) naming the argument: a row outside
+    ``0..num_rows-1``, a negative first entry, entries past the row width, host page ids outside the pool,
+    a resolve whose request ids do not match the check's batch. Page ids in device tensors are not
+    range-checked here (that would cost a host sync per call).
+    """
 
     enabled = True
 
@@ -94,9 +108,20 @@ class TagTracker(NoopTracker):
         self.tags: TagTable | None = None
         self.expected: torch.Tensor | None = None  # int64 [num_rows, max_entries]
         self._aranges: torch.Tensor | None = None
+        self.lock = threading.RLock()
+        self._local = threading.local()
+
+    @property
+    def fresh_tags(self) -> torch.Tensor | None:
+        """Tags of the calling thread's last ``on_alloc`` (one per slot of that allocation)."""
+        return getattr(self._local, "fresh_tags", None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
+        for name, value in (("num_pages", num_pages), ("num_rows", num_rows), ("max_entries", max_entries),
+                            ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TagTracker.attach: {name}={value!r} is not valid; it must be an int >= 1")
         self.page_size = page_size
         self.tags = TagTable(num_pages, device)
         self.expected = torch.full((num_rows, max_entries), UNSET, dtype=torch.int64, device=device)
@@ -118,34 +143,73 @@ class TagTracker(NoopTracker):
         if self.tags is None:
             raise RuntimeError("TagTracker: call attach(num_pages=..., num_rows=..., ...) before use")
 
+    def _check_row(self, where: str, row) -> int:
+        rows = self.expected.shape[0]
+        index = _as_index(row)
+        if index is None or not 0 <= index < rows:
+            raise ValueError(f"TagTracker.{where}: row={row!r} is not valid; rows are 0..{rows - 1} "
+                             f"(num_rows={rows} given to attach())")
+        return index
+
+    def _check_pages(self, where: str, pages: torch.Tensor) -> None:
+        """Host page ids must lie in the pool (a negative id would wrap to the last page)."""
+        if pages.device.type == "cpu" and pages.numel():
+            low, high = int(pages.min()), int(pages.max())
+            if low < 0 or high >= self.tags.num_pages:
+                raise ValueError(f"TagTracker.{where}: page ids {low}..{high} are outside the pool; "
+                                 f"valid pages are 0..{self.tags.num_pages - 1}")
+
     # -- bookkeeping events ------------------------------------------------------------------------
     def on_alloc(self, pages: torch.Tensor) -> None:
         self._require_attached()
-        self.fresh_tags = self.tags.bump(pages)  # [n] tag of each slot of this allocation
+        self._check_pages("on_alloc", pages)
+        with self.lock:
+            self._local.fresh_tags = self.tags.bump(pages)  # [n] tag of each slot of this allocation
 
     def on_free(self, pages: torch.Tensor) -> None:
         self._require_attached()
-        self.tags.bump(pages)
+        self._check_pages("on_free", pages)
+        with self.lock:
+            self.tags.bump(pages)
 
     def record(self, row: int, first: int, pages: torch.Tensor, tags: torch.Tensor | None = None) -> None:
         self._require_attached()
+        row, index = self._check_row("record", row), _as_index(first)
         count = pages.numel()
+        if index is None or index < 0:
+            raise ValueError(f"TagTracker.record: first={first!r} is not valid; it must be an int >= 0")
+        first = index
         if first + count > self.expected.shape[1]:
             raise ValueError(f"TagTracker.record: row {row} pages {first}..{first + count} exceed the "
                              f"row width {self.expected.shape[1]} given to attach()")
-        self.expected[row, first:first + count] = self.tags.gather(pages) if tags is None else tags
-        self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
+        if tags is not None and tags.numel() != count:
+            raise ValueError(f"TagTracker.record: {tags.numel()} tags for {count} pages; give one tag per page")
+        self._check_pages("record", pages)
+        with self.lock:
+            self.expected[row, first:first + count] = self.tags.gather(pages) if tags is None else tags
+            self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
         self._require_attached()
+        if not rows.numel() == cols.numel() == pages.numel():
+            raise ValueError(f"TagTracker.record_many: rows, cols and pages differ in length "
+                             f"({rows.numel()}, {cols.numel()}, {pages.numel()})")
+        for name, index, size in (("rows", rows, self.expected.shape[0]), ("cols", cols, self.expected.shape[1])):
+            if index.device.type == "cpu" and index.numel() and not (0 <= int(index.min()) and int(index.max()) < size):
+                raise ValueError(f"TagTracker.record_many: {name} {int(index.min())}..{int(index.max())} are "
+                                 f"outside 0..{size - 1} (the shape given to attach())")
+        self._check_pages("record_many", pages)
         dev = self.expected.device
         rows, cols = rows.to(dev, torch.int64), cols.to(dev, torch.int64)
-        self.expected[rows, cols] = self.tags.gather(pages)
-        self.expected_pages[rows, cols] = pages.to(dev, torch.int32)
+        with self.lock:
+            self.expected[rows, cols] = self.tags.gather(pages)
+            self.expected_pages[rows, cols] = pages.to(dev, torch.int32)
 
     def drop(self, row: int) -> None:
         self._require_attached()
-        self.expected[row].fill_(UNSET)
+        row = self._check_row("drop", row)
+        with self.lock:
+            self.expected[row].fill_(UNSET)
 
     def held_pages(self, row: int, first: int, end: int) -> torch.Tensor:
         """Recorded pages of ``row`` (logical ``first..end``) whose tag is still the one recorded.
@@ -154,9 +218,11 @@ class TagTracker(NoopTracker):
         handed to another request since; only pages it still holds go back to the allocator.
         """
         self._require_attached()
-        pages = self.expected_pages[row, first:end].long()
-        still = self.tags.tags[pages] == self.expected[row, first:end]
-        return pages[still].cpu()
+        row = self._check_row("held_pages", row)
+        with self.lock:
+            pages = self.expected_pages[row, first:end].long()
+            still = self.tags.tags[pages] == self.expected[row, first:end]
+            return pages[still].cpu()
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
@@ -191,9 +257,16 @@ class TagTracker(NoopTracker):
                 request_ids: list[str]) -> list[KVGuardViolation]:
         if check is None or verdict_host is None:
             return []
-        counts = verdict_host.reshape(len(request_ids), -1).sum(1)
+        batch = check.rows.numel()
+        if len(request_ids) != batch:
+            raise ValueError(f"TagTracker.resolve: {len(request_ids)} request ids for a check of {batch} "
+                             f"batch entries; give one id per entry, in the order passed to validate()")
+        if batch == 0:
+            return []
+        counts = verdict_host.reshape(batch, -1).sum(1)
         flagged = counts.nonzero().flatten().tolist()
-        found = [KVGuardViolation(self._explain(check, b, request_ids[b], int(counts[b]))) for b in flagged]
+        with self.lock:
+            found = [KVGuardViolation(self._explain(check, b, request_ids[b], int(counts[b]))) for b in flagged]
         for err in found:
             self.metrics.violations.labels(reason=err.violation.reason).inc()
             if self.config.log_violations:
@@ -202,12 +275,14 @@ class TagTracker(NoopTracker):
 
     def transfer_issue(self, pages: torch.Tensor, *, row: int = -1, first: int = 0):
         self._require_attached()
-        return transfer.issue(self.tags, pages, row=row, first=first)
+        with self.lock:
+            return transfer.issue(self.tags, pages, row=row, first=first)
 
     def transfer_land(self, tickets) -> torch.Tensor:
         self._require_attached()
         self.metrics.checks.inc()
-        return transfer.land(self.tags, tickets)
+        with self.lock:
+            return transfer.land(self.tags, tickets)
 
     def transfer_violation(self, ticket, request_id: str) -> KVGuardViolation:
         """Slow path, only for a discarded transfer: the violation that aborts its request."""
@@ -245,6 +320,16 @@ class TagTracker(NoopTracker):
             expected_tag=int(want[j]), found_tag=int(tags[pages[j]]) if in_range[j] else None,
             reason=reason, bad_entries=bad,
         )
+
+
+def _as_index(value) -> int | None:
+    """``value`` as an int index (Python, numpy or 0-d torch integers), or None (bools are not indices)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def make_tracker(config: TrackerConfig | None = None, registry: CollectorRegistry | None = None):

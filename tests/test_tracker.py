@@ -472,3 +472,87 @@ def test_tracker_tags_unique_under_alloc_free_churn(backend):
         assert not new & history
         history |= new
     assert int(tracker.tags.tags[0]) == 0  # scratch page never bumped
+
+
+# -- misuse and threads (issue 15) -----------------------------------------------------------------------
+def attached(rows: int = 2, width: int = 4) -> TagTracker:
+    tracker = checked_tracker("torch")
+    tracker.attach(num_pages=NUM_PAGES, num_rows=rows, max_entries=width, device="cpu")
+    return tracker
+
+
+def test_concurrent_on_alloc_issues_unique_tags():
+    import threading
+
+    tracker, rounds, barrier = attached(), 3000, threading.Barrier(2)
+    issued: dict[int, list[int]] = {0: [], 1: []}
+
+    def worker(t: int) -> None:
+        barrier.wait()
+        for i in range(rounds):
+            tracker.on_alloc(torch.tensor([1 + (i + t) % (NUM_PAGES - 1), 1 + (i + 7 * t) % (NUM_PAGES - 1)]))
+            issued[t] += tracker.fresh_tags.tolist()  # this thread's own allocation
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    every = issued[0] + issued[1]
+    assert len(every) == 2 * 2 * rounds and len(set(every)) == len(every), "a tag was issued twice"
+    assert tracker.tags.next_tag == NUM_PAGES + len(every)
+
+
+@pytest.mark.parametrize("field,value", [("num_rows", 0), ("num_pages", 0), ("max_entries", -1),
+                                         ("page_size", 0), ("num_rows", 2.5), ("num_rows", True)])
+def test_attach_rejects_bad_sizes(field, value):
+    sizes = {"num_pages": 8, "num_rows": 2, "max_entries": 4, "page_size": 1} | {field: value}
+    with pytest.raises(ValueError, match=rf"attach: {field}={value!r} is not valid"):
+        checked_tracker("torch").attach(device="cpu", **sizes)
+
+
+@pytest.mark.parametrize("row", [-1, 2, True, "0", 1.0])
+def test_row_outside_the_slots_is_rejected(row):
+    tracker = attached()
+    last_row = tracker.expected[1].clone()
+    for call in (lambda: tracker.record(row, 0, torch.tensor([3])), lambda: tracker.drop(row),
+                 lambda: tracker.held_pages(row, 0, 1)):
+        with pytest.raises(ValueError, match=r"row=.* is not valid; rows are 0\.\.1"):
+            call()
+    assert torch.equal(tracker.expected[1], last_row), "row -1 must not write the last row"
+
+
+def test_record_rejects_negative_first_bad_pages_and_tag_count():
+    tracker = attached()
+    with pytest.raises(ValueError, match="first=-1 is not valid"):
+        tracker.record(0, -1, torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"page ids -1\.\.3 are outside the pool"):
+        tracker.record(0, 0, torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match=rf"page ids 3\.\.{NUM_PAGES} are outside the pool"):
+        tracker.on_alloc(torch.tensor([3, NUM_PAGES]))
+    with pytest.raises(ValueError, match="1 tags for 2 pages"):
+        tracker.record(0, 0, torch.tensor([3, 4]), torch.tensor([70]))
+    with pytest.raises(ValueError, match=r"cols 4\.\.4 are outside 0\.\.3"):
+        tracker.record_many(torch.tensor([0]), torch.tensor([4]), torch.tensor([3]))
+    assert bool((tracker.expected == UNSET).all()) and tracker.tags.bumps == 0, "nothing was written"
+    tracker.record(torch.tensor(1), 0, torch.tensor([3]))  # a 0-d integer tensor is a valid row
+    assert int(tracker.expected[1, 0]) == tag_of(tracker, 3)
+
+
+def test_resolve_empty_batch_and_mismatched_ids(backend):
+    tracker = checked_tracker(backend)
+    tracker.attach(num_pages=NUM_PAGES, num_rows=2, max_entries=4, device="cpu")
+    table = torch.zeros((0, 4), dtype=torch.int32)
+    check = tracker.validate(table, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+                             max_entries=4)
+    assert tracker.resolve(check, check.verdict.cpu(), []) == []
+    pages = torch.tensor([5, 6])
+    tracker.on_alloc(pages)
+    tracker.record(0, 0, pages)
+    tracker.record(1, 0, pages)  # row 1 expects tags the pages do not carry after the next bump
+    tracker.on_free(pages[:1])
+    table = torch.tensor([[5, 6, 0, 0], [5, 6, 0, 0]], dtype=torch.int32)
+    check = tracker.validate(table, torch.tensor([0, 1]), torch.tensor([2, 2], dtype=torch.int32), max_entries=4)
+    with pytest.raises(ValueError, match="1 request ids for a check of 2 batch entries"):
+        tracker.resolve(check, check.verdict.cpu(), ["a"])
+    assert {err.request_id for err in tracker.resolve(check, check.verdict.cpu(), ["a", "b"])} == {"a", "b"}
