@@ -303,3 +303,122 @@ def test_launcher_rejects_bad_step(fn):
     case = make_case(16, batch=1, width=5)
     with pytest.raises(ValueError, match="entry_step"):
         fn(*case.args(), max_entries=5, entry_step=0)
+
+
+# -- every token entry (per_token), rows outside the tables, entries past the launch ----------------------
+def make_per_token_case(seed: int, batch: int, page_size: int = 16, max_context: int = 96):
+    """A token table whose every entry is consistent: token j at slot page(j // ps) * ps + j % ps.
+
+    Returns the case (``n_entries`` = tokens) and the per-request token counts.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    tags = random_tags(gen)
+    rows = batch + 2
+    table = torch.randint(0, NUM_PAGES * page_size, (rows, max_context), generator=gen).to(torch.int32)
+    table_rows = torch.randperm(rows, generator=gen)[:batch].to(torch.int32)
+    expected_rows = torch.randperm(rows, generator=gen)[:batch].long()
+    seq = torch.randint(2, max_context + 1, (batch,), generator=gen).to(torch.int32)
+    expected = torch.randint(0, 2**40, (rows, -(-max_context // page_size)), generator=gen)
+    for b in range(batch):
+        n_pages = -(-int(seq[b]) // page_size)
+        pages = torch.randperm(NUM_PAGES - 1, generator=gen)[:n_pages] + 1
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:int(seq[b])]
+        table[table_rows[b], :slots.numel()] = slots.to(torch.int32)
+        expected[expected_rows[b], :n_pages] = tags[pages]
+    return Case(table, table_rows, expected_rows, seq, tags, expected, page_div=page_size), seq
+
+
+def per_token_oracle(case, seq, page_size):
+    """Plain loop: flagged entries per request, reading every token entry."""
+    flags = []
+    for b in range(case.table_rows.numel()):
+        row, erow, bad = int(case.table_rows[b]), int(case.expected_rows[b]), 0
+        for j in range(int(seq[b])):
+            raw = int(case.table[row, j])
+            if raw < 0 or raw >= case.tags.numel() * page_size:
+                bad += 1
+            elif int(case.tags[raw // page_size]) != int(case.expected[erow, j // page_size]) \
+                    or raw % page_size != j % page_size:
+                bad += 1
+        flags.append(bad)
+    return flags
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_token_catches_an_entry_inside_a_page(seed):
+    ps = 16
+    case, seq = make_per_token_case(200 + seed, batch=6, page_size=ps)
+    rng = random.Random(seed)
+    # break one entry that is NOT the first of its page in three requests (in-page entries)
+    victims = rng.sample([b for b in range(6) if int(seq[b]) > 2], 3)
+    for k, b in enumerate(victims):
+        row = int(case.table_rows[b])
+        j = rng.choice([t for t in range(int(seq[b])) if t % ps != 0])
+        if k == 0:
+            case.table[row, j] += 1  # same page, wrong offset (reads a neighbour token's KV)
+        elif k == 1:
+            case.table[row, j] = int(case.table[row, j]) % ps + ps * (1 + (int(case.table[row, j]) // ps) % 50)
+        else:
+            case.table[row, j] = -3
+    want = per_token_oracle(case, seq, ps)
+    assert sum(1 for w in want if w) >= 2
+    for fn in (tag_check, tag_check_ref):
+        verdict = fn(*case.args(case.table.clone()), max_entries=int(seq.max()), page_div=ps, per_token=True,
+                     quarantine=False, block=32)
+        assert verdict.sum(1).tolist() == want
+    # the page-granular check (first entry of each page only) misses the in-page ones
+    page_v = tag_check_ref(case.table, case.table_rows, case.expected_rows, (seq + ps - 1) // ps, *case.args()[4:],
+                           max_entries=int(((seq + ps - 1) // ps).max()), entry_step=ps, page_div=ps,
+                           quarantine=False)
+    assert page_v.sum(1).tolist() != want
+
+
+def test_per_token_triton_matches_reference_on_random_corruption():
+    ps = 4
+    case, seq = make_per_token_case(300, batch=9, page_size=ps)
+    gen = torch.Generator().manual_seed(301)
+    noise = torch.rand(case.table.shape, generator=gen) < 0.03
+    case.table[noise] = torch.randint(-5, NUM_PAGES * ps + 9, (int(noise.sum()),), generator=gen).to(torch.int32)
+    v_tri = tag_check(*case.args(), max_entries=int(seq.max()), page_div=ps, per_token=True, quarantine=False)
+    v_ref = tag_check_ref(*case.args(), max_entries=int(seq.max()), page_div=ps, per_token=True,
+                          quarantine=False)
+    assert torch.equal(v_tri, v_ref)
+    assert v_ref.sum(1).tolist() == per_token_oracle(case, seq, ps)
+    assert int(v_ref.sum()) > 0
+
+
+@pytest.mark.parametrize("fn", [tag_check, tag_check_ref], ids=["triton", "ref"])
+def test_rows_outside_the_tables_flag_without_reading(fn):
+    case = make_case(17, batch=4, width=6)
+    table_rows = case.table_rows.clone()
+    expected_rows = case.expected_rows.clone()
+    table_rows[1] = -1  # would wrap to the last row in torch indexing
+    expected_rows[2] = case.expected.shape[0] + 3
+    verdict = fn(case.table, table_rows, expected_rows, case.n_entries, case.tags, case.expected,
+                 max_entries=6, quarantine=False)
+    flags = (verdict.sum(1) > 0).tolist()
+    assert flags == [False, True, True, False]
+
+
+@pytest.mark.parametrize("fn", [tag_check, tag_check_ref], ids=["triton", "ref"])
+def test_entries_past_max_entries_are_counted_not_skipped(fn):
+    case = make_case(18, batch=3, width=8)
+    full = int((case.n_entries == 8).nonzero()[0])  # a healthy row with all 8 entries live
+    n = case.n_entries.clone()
+    clean = fn(*case.args(), max_entries=8, block=4, quarantine=False)
+    assert int(clean.sum()) == 0
+    # a bound smaller than a row's live entries: the 4 entries past the one 4-wide chunk are counted
+    verdict = fn(*case.args(), max_entries=4, block=4, quarantine=False)
+    assert verdict.sum(1).tolist() == (n - 4).clamp(min=0).tolist() and verdict.sum(1)[full] == 4
+    # live entries past the table's width (8) are counted too
+    n[full] = 40
+    verdict = fn(case.table, case.table_rows, case.expected_rows, n, case.tags, case.expected,
+                 max_entries=40, block=16, quarantine=False)
+    assert verdict.sum(1)[full] == 32
+
+
+@pytest.mark.parametrize("fn", [tag_check, tag_check_ref], ids=["triton", "ref"])
+def test_per_token_needs_entry_step_one(fn):
+    case = make_case(19, batch=1, width=5)
+    with pytest.raises(ValueError, match="entry_step"):
+        fn(*case.args(), max_entries=5, entry_step=2, per_token=True)

@@ -13,6 +13,13 @@ Two table shapes are supported:
   reads;
 - a token-level table such as SGLang's ``req_to_token [rows, max_context]``: entry ``j`` is the slot at
   token ``j * entry_step`` and its page is ``slot // page_div`` (quarantine off: the verdict aborts).
+  With ``per_token`` every token entry is read (``entry_step`` 1): its page must be the one expected
+  for logical page ``j // page_div`` and its in-page offset must be ``j % page_div``, so an entry changed
+  inside a page is caught too, not only the first entry of each page.
+
+Nothing the caller asks for is skipped silently: entries past what one launch can reach (``max_entries``,
+the table's width, ``expected``'s width) count as bad, and a row index outside ``table`` or ``expected``
+flags its request without any load.
 """
 import torch
 import triton
@@ -24,26 +31,40 @@ DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs
 @triton.jit
 def _tag_check_kernel(
     table_ptr, table_rows_ptr, expected_rows_ptr, n_entries_ptr, tags_ptr, expected_ptr, verdict_ptr,
-    table_stride, expected_stride, slot_limit, scratch_page, n_chunks,
-    ENTRY_STEP: tl.constexpr, PAGE_DIV: tl.constexpr, QUARANTINE: tl.constexpr, BLOCK: tl.constexpr,
+    table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_page, n_chunks,
+    ENTRY_STEP: tl.constexpr, PAGE_DIV: tl.constexpr, PER_TOKEN: tl.constexpr, QUARANTINE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
     table_row = tl.load(table_rows_ptr + b).to(tl.int64)
     expected_row = tl.load(expected_rows_ptr + b).to(tl.int64)
-    n = tl.load(n_entries_ptr + b)
+    n = tl.load(n_entries_ptr + b).to(tl.int64)
+    # A row index outside either table cannot be checked: the whole request fails (no load is made).
+    rows_ok = (table_row >= 0) & (table_row < table_nrows) & (expected_row >= 0) & (expected_row < expected_nrows)
     j = chunk * BLOCK + tl.arange(0, BLOCK)
-    live = j < n
+    live = (j < n) & (j < cap) & rows_ok
     entry_ptrs = table_ptr + table_row * table_stride + j.to(tl.int64) * ENTRY_STEP
     raw = tl.load(entry_ptrs, mask=live, other=0).to(tl.int64)
     out_of_range = (raw < 0) | (raw >= slot_limit)
     page = tl.where(out_of_range, 0, raw // PAGE_DIV)
     tag = tl.load(tags_ptr + page, mask=live & (out_of_range == 0), other=-1)
-    want = tl.load(expected_ptr + expected_row * expected_stride + j, mask=live, other=-1)
-    bad = live & (out_of_range | (tag != want))
+    if PER_TOKEN:
+        # token j lives in logical page j // PAGE_DIV at in-page offset j % PAGE_DIV
+        col = j // PAGE_DIV
+        misplaced = (raw % PAGE_DIV) != (j % PAGE_DIV)
+    else:
+        col = j
+        misplaced = j < 0
+    want = tl.load(expected_ptr + expected_row * expected_stride + col, mask=live, other=-1)
+    bad = live & (out_of_range | (tag != want) | misplaced)
     if QUARANTINE:
         tl.store(entry_ptrs, (raw * 0 + scratch_page).to(table_ptr.dtype.element_ty), mask=bad)
-    tl.store(verdict_ptr + b * n_chunks + chunk, tl.sum(bad.to(tl.int32), axis=0))
+    count = tl.sum(bad.to(tl.int32), axis=0)
+    # Entries the launch cannot reach (past `cap`) and unreadable rows are counted, never skipped.
+    unchecked = tl.where(rows_ok, tl.maximum(n - cap, 0), tl.maximum(n, 1)).to(tl.int32)
+    count += tl.where(chunk == 0, unchecked, 0)
+    tl.store(verdict_ptr + b * n_chunks + chunk, count)
 
 
 def _block_for(max_entries: int, block: int | None) -> int:
@@ -52,7 +73,7 @@ def _block_for(max_entries: int, block: int | None) -> int:
     return max(16, min(DEFAULT_BLOCK, triton.next_power_of_2(max(1, max_entries))))
 
 
-def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div):
+def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token):
     def fail(name, why):
         raise ValueError(f"tag_check: {name} {why}")
 
@@ -71,61 +92,90 @@ def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, 
         fail("expected", f"must be a 2-D int64 tensor contiguous along dim 1, got {expected.dtype}")
     if entry_step < 1 or page_div < 1:
         fail("entry_step/page_div", f"must be >= 1, got {entry_step}/{page_div}")
+    if per_token and entry_step != 1:
+        fail("entry_step", f"must be 1 with per_token (every token entry is read), got {entry_step}")
     devices = {t.device for t in (table, table_rows, expected_rows, n_entries, tags, expected)}
     if len(devices) != 1:
         fail("tensors", f"must share one device, got {sorted(map(str, devices))}")
 
 
+def _cap(table, expected, n_chunks: int, blk: int, entry_step: int, page_div: int, per_token: bool) -> int:
+    """How many entries per row one launch can check: the grid, the table row and the expected row."""
+    table_entries = -(-table.shape[1] // entry_step)
+    expected_entries = expected.shape[1] * (page_div if per_token else 1)
+    return min(n_chunks * blk, table_entries, expected_entries)
+
+
 def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
-              scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, quarantine: bool = True,
-              block: int | None = None) -> torch.Tensor:
+              scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
+              quarantine: bool = True, block: int | None = None) -> torch.Tensor:
     """Validate page-table entries against expected tags; quarantine bad entries in place.
 
     Args:
         table: int32/int64 ``[T_rows, W]`` page table (or token table, see ``entry_step``).
         table_rows: ``[B]`` row of ``table`` for each batch entry.
         expected_rows: ``[B]`` row of ``expected`` for each batch entry (the request slot).
-        n_entries: ``[B]`` number of live entries (pages) per batch entry.
+        n_entries: ``[B]`` number of live entries per batch entry (pages; tokens with ``per_token``).
         tags: int64 ``[num_pages]`` current tag of every physical page.
         expected: int64 ``[R, P]`` tag each request slot expects at each logical page.
-        max_entries: an upper bound of ``n_entries`` (host int; sizes the grid without a sync).
+        max_entries: an upper bound of ``n_entries`` (host int; sizes the grid without a sync). Entries
+            past it (or past the table's or ``expected``'s width) are counted as bad, never skipped.
+        per_token: ``table`` is a token table (``entry_step`` 1) and every token entry is checked: its
+            page against ``expected[row, j // page_div]`` and its in-page offset against ``j % page_div``.
+    A row index outside ``table`` or ``expected`` flags its request without reading anything.
     Returns:
         verdict: int32 ``[B, n_chunks]``, bad entries per chunk; ``verdict.sum(1) > 0`` flags a request.
     """
-    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div)
+    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token)
     blk = _block_for(max_entries, block)
     batch = table_rows.numel()
     n_chunks = max(1, triton.cdiv(max_entries, blk))
     verdict = torch.empty((batch, n_chunks), dtype=torch.int32, device=table.device)
     if batch == 0:
         return verdict
+    cap = _cap(table, expected, n_chunks, blk, entry_step, page_div, per_token)
     _tag_check_kernel[(batch, n_chunks)](
         table, table_rows, expected_rows, n_entries, tags, expected, verdict,
-        table.stride(0), expected.stride(0), tags.numel() * page_div, scratch_page, n_chunks,
-        ENTRY_STEP=entry_step, PAGE_DIV=page_div, QUARANTINE=quarantine, BLOCK=blk,
+        table.stride(0), expected.stride(0), table.shape[0], expected.shape[0], cap,
+        tags.numel() * page_div, scratch_page, n_chunks,
+        ENTRY_STEP=entry_step, PAGE_DIV=page_div, PER_TOKEN=per_token, QUARANTINE=quarantine, BLOCK=blk,
     )
     return verdict
 
 
 def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
-                  scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, quarantine: bool = True,
-                  block: int | None = None) -> torch.Tensor:
+                  scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
+                  quarantine: bool = True, block: int | None = None) -> torch.Tensor:
     """Torch reference of :func:`tag_check` (same arguments, same verdict, same quarantine)."""
-    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div)
+    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token)
     blk = _block_for(max_entries, block)
     n_chunks = max(1, -(-max_entries // blk))
+    batch = table_rows.numel()
+    if batch == 0:
+        return torch.empty((0, n_chunks), dtype=torch.int32, device=table.device)
+    cap = _cap(table, expected, n_chunks, blk, entry_step, page_div, per_token)
     width = n_chunks * blk
+    t_rows, e_rows, n = table_rows.long(), expected_rows.long(), n_entries.long()
+    rows_ok = (t_rows >= 0) & (t_rows < table.shape[0]) & (e_rows >= 0) & (e_rows < expected.shape[0])
+    t_rows, e_rows = t_rows.where(rows_ok, 0), e_rows.where(rows_ok, 0)  # never index with a bad row
     j = torch.arange(width, device=table.device)  # [W]
-    live = j[None, :] < n_entries.long()[:, None]  # [B, W]
+    live = (j[None, :] < n[:, None]) & (j[None, :] < cap) & rows_ok[:, None]  # [B, W]
     cols = (j * entry_step).clamp(max=table.shape[1] - 1)
-    raw = table.long()[table_rows.long()[:, None], cols[None, :]]  # [B, W]
+    raw = table.long()[t_rows[:, None], cols[None, :]]  # [B, W]
     out_of_range = (raw < 0) | (raw >= tags.numel() * page_div)
     page = torch.where(out_of_range, torch.zeros_like(raw), torch.div(raw, page_div, rounding_mode="floor"))
     tag = tags[page]
-    want_cols = j.clamp(max=expected.shape[1] - 1)
-    want = expected[expected_rows.long()[:, None], want_cols[None, :]]
-    bad = live & (out_of_range | (tag != want))  # [B, W]
+    if per_token:
+        want_cols = torch.div(j, page_div, rounding_mode="floor")
+        misplaced = torch.remainder(raw, page_div) != torch.remainder(j, page_div)[None, :]
+    else:
+        want_cols, misplaced = j, torch.zeros_like(live)
+    want = expected[e_rows[:, None], want_cols.clamp(max=expected.shape[1] - 1)[None, :]]
+    bad = live & (out_of_range | (tag != want) | misplaced)  # [B, W]
     if quarantine and bool(bad.any()):
         b_idx, j_idx = bad.nonzero(as_tuple=True)
-        table[table_rows.long()[b_idx], j_idx * entry_step] = scratch_page
-    return bad.view(-1, n_chunks, blk).sum(-1).to(torch.int32)
+        table[t_rows[b_idx], j_idx * entry_step] = scratch_page
+    verdict = bad.view(-1, n_chunks, blk).sum(-1).to(torch.int32)
+    unchecked = torch.where(rows_ok, (n - cap).clamp(min=0), n.clamp(min=1)).to(torch.int32)
+    verdict[:, 0] += unchecked
+    return verdict
