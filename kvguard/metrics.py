@@ -11,6 +11,7 @@ class Metrics:
     entries: Counter
     violations: Counter
     aborted: Counter
+    uncovered: Counter
 
 
 # Keyed by the registry itself (weakly): an id() key is reused once a registry is freed, which
@@ -28,5 +29,7 @@ def metrics_for(registry: CollectorRegistry | None = None) -> Metrics:
             violations=Counter("kvguard_violations", "Requests found with a broken KV mapping",
                                ["reason"], registry=registry),
             aborted=Counter("kvguard_requests_aborted", "Requests aborted by kvguard", registry=registry),
+            uncovered=Counter("kvguard_pools_uncovered", "KV pools kvguard was asked to check and could not "
+                              "cover (the process refuses to start)", registry=registry),
         )
     return _BY_REGISTRY[registry]

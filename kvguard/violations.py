@@ -16,7 +16,7 @@ class Violation:
     page: int  # the page id the table holds there (may be out of range)
     expected_tag: int
     found_tag: int | None  # None when the page id is out of range
-    reason: str  # "tag_mismatch" | "out_of_range" | "unrecorded"
+    reason: str  # "tag_mismatch" | "out_of_range" | "unrecorded" | "misplaced_in_page" | "bad_row" | "unchecked"
     bad_entries: int
 
 

@@ -151,12 +151,12 @@ def test_verdict_travels_with_the_overlap_copy(rig_ps):
 
 
 def test_no_host_sync_ops_in_the_clean_step_beyond_the_verdict(rig_ps):
-    # the check reads the table once per live page: entries checked == pages mapped by the batch
+    # the check reads every token entry the batch maps (the slot this step writes included)
     rig, ps = rig_ps, rig_ps.page_size
     batch = _running(rig, 3 * ps + 1, ps)
     before = rig.guard.tracker.metrics.entries._value.get()
     rig.decode(batch)
-    pages = sum(-(-int(n) // ps) for n in batch.seq_lens_cpu.tolist())
-    assert rig.guard.tracker.metrics.entries._value.get() - before == pages
+    tokens = sum(int(n) for n in batch.seq_lens_cpu.tolist())
+    assert rig.guard.tracker.metrics.entries._value.get() - before == tokens
     assert batch._kvguard.verdict_host.device.type == "cpu"
     assert torch.equal(batch._kvguard.check.source, rig.req_to_token_pool.req_to_token)

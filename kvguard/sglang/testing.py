@@ -106,7 +106,11 @@ class Rig:
         return batch.__dict__.get("_kvguard")
 
     def verdict(self, batch) -> dict:
-        """{rid: bad entries} for this step's check (read like the scheduler does, with the sampled ids)."""
+        """{rid: 1 if flagged else 0} for this step's check (read like the scheduler does)."""
+        return {rid: int(n > 0) for rid, n in self.bad_entries(batch).items()}
+
+    def bad_entries(self, batch) -> dict:
+        """{rid: bad token entries (+1 for a stale row)} for this step's check."""
         pending = batch.__dict__.get("_kvguard")
         if pending is None:
             return {}
