@@ -1,0 +1,184 @@
+"""Drive a real ``sglang.Engine`` through fault episodes, one process per engine (tests, GPU harness).
+
+    python -m faultlab.sglang_live.harness SPEC.json OUT.json
+
+runs the engine described by ``SPEC.json`` and writes ``OUT.json`` after every episode (so a run whose
+scheduler dies part-way still leaves the episodes before it). Why a process of its own: when SGLang's
+scheduler raises (an out-of-range KV read, its strict idle accounting check), SGLang kills its whole
+process tree, parent included; the test process must survive that to report it.
+
+SPEC keys (all optional except ``episodes``):
+``device`` ("cpu"), ``page_size`` (16), ``radix`` (true), ``overlap`` (true), ``env`` (extra environment,
+e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler inherits it),
+``max_total_tokens`` (4096), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
+(``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0), ``model`` (a config dict
+merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed"}``.
+
+An episode sends wave 1 (``n1`` requests sharing a ``prefix``-token prefix, rids ``<label>-a<i>``),
+waits for the injector's ``armed`` line (a fault-free episode arms a ``none`` entry), then sends wave 2
+(``n2`` requests with the same prefix and at least two pages of their own, rids ``<label>-b<i>``;
+the reusers), and gathers every request's outcome: ``output_ids`` or the ``error`` the client got.
+Then it waits for SGLang's idle accounting line and flushes the radix cache, so every episode starts
+cold and sees the same prompts as the fault-free one. Greedy decoding, ``ignore_eos``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+from .inject import ENV_ACCOUNTING, ENV_DUMMY, ENV_FAULTS, ENV_LOG, ENV_ROTARY
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+WORKLOAD = {"n1": 4, "n2": 2, "prefix": 40, "new1": 32, "new2": 12, "seed": 0}
+
+
+def write_model(directory: str, overrides: dict | None = None) -> str:
+    """A config-only tiny Llama (load it with ``load_format="dummy"``, ``skip_tokenizer_init=True``)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**TINY_LLAMA, **(overrides or {})}, f)
+    return directory
+
+
+def prompts(workload: dict, page_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Wave 1 and wave 2 token ids: one shared prefix; wave 2 has >= 2 pages past it."""
+    rng = random.Random(workload["seed"])
+    vocab = TINY_LLAMA["vocab_size"]
+
+    def tokens(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    prefix = tokens(workload["prefix"])
+    wave1 = [prefix + tokens(rng.randint(3, 20)) for _ in range(workload["n1"])]
+    wave2 = [prefix + tokens(2 * page_size + rng.randint(1, 8)) for _ in range(workload["n2"])]
+    return wave1, wave2
+
+
+def _read_log(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+async def _one(engine, ids, new, rid):
+    try:
+        out = await engine.async_generate(input_ids=ids, rid=rid, sampling_params={
+            "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True})
+        reason = out["meta_info"].get("finish_reason") or {}
+        error = reason.get("message") if reason.get("type") == "abort" else None
+        return {"rid": rid, "output_ids": out["output_ids"], "finish_reason": reason, "error": error}
+    except Exception as exc:  # the client's view of an aborted request (HTTP 500 as an exception)
+        return {"rid": rid, "output_ids": None, "finish_reason": None,
+                "error": f"{type(exc).__name__}: {getattr(exc, 'detail', exc)}"}
+
+
+async def _episode(engine, label, wave1, wave2, workload, log_path, timeout=60.0):
+    t0 = time.time()
+    first = [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}"))
+             for i, ids in enumerate(wave1)]
+    armed = None
+    while armed is None and time.time() - t0 < timeout:
+        await asyncio.sleep(0.01)
+        armed = next((e for e in _read_log(log_path) if e["event"] == "armed" and e["label"] == label), None)
+        if all(t.done() for t in first):
+            break
+    second = [asyncio.ensure_future(_one(engine, ids, workload["new2"], f"{label}-b{i}"))
+              for i, ids in enumerate(wave2)]
+    results = await asyncio.gather(*first, *second)
+    return results, armed is not None
+
+
+def run(spec: dict, out_path: str) -> int:
+    import sglang
+
+    device = spec.get("device", "cpu")
+    page_size = int(spec.get("page_size", 16))
+    workload = {**WORKLOAD, **spec.get("workload", {})}
+    tmp = tempfile.mkdtemp(prefix="faultlab_sglang_")
+    log_path = os.path.join(tmp, "inject.jsonl")
+    model = write_model(os.path.join(tmp, "model"), spec.get("model"))
+    episodes = spec["episodes"]
+    plan = []
+    for ep in episodes:
+        plan.append({"fault": ep.get("fault") or "none", "seed": int(ep.get("seed", 0)),
+                     "rid_prefix": f"{ep['label']}-a", "reuser_prefix": f"{ep['label']}-b",
+                     "min_candidates": workload["n1"], "label": ep["label"]})
+    os.environ.update({ENV_FAULTS: json.dumps(plan), ENV_LOG: log_path, ENV_ACCOUNTING: "1",
+                       ENV_DUMMY: str(spec.get("dummy_std", 1.0))})
+    if device == "cpu":
+        os.environ[ENV_ROTARY] = "1"
+    os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    result = {"spec": spec, "log": log_path, "started": False, "episodes": []}
+
+    def save():
+        result["events"] = _read_log(log_path)
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(out_path + ".tmp", out_path)
+
+    t = time.time()
+    kwargs = dict(model_path=model, device=device, load_format="dummy", skip_tokenizer_init=True,
+                  page_size=page_size, sampling_backend="pytorch",
+                  max_total_tokens=int(spec.get("max_total_tokens", 4096)),
+                  disable_radix_cache=not spec.get("radix", True),
+                  disable_overlap_schedule=not spec.get("overlap", True),
+                  log_level=spec.get("log_level", "error"))
+    kwargs["attention_backend"] = spec.get("attention_backend", "torch_native" if device == "cpu" else "triton")
+    if device == "cpu":
+        kwargs["dtype"] = "float32"
+    engine = sglang.Engine(**kwargs)
+    result.update(started=True, startup_s=time.time() - t)
+    save()
+    wave1, wave2 = prompts(workload, page_size)
+    try:
+        for ep in episodes:
+            t = time.time()
+            outs, armed = engine.loop.run_until_complete(
+                _episode(engine, ep["label"], wave1, wave2, workload, log_path))
+            end = time.time()
+            idle = None
+            while time.time() - end < 10:
+                idle = next((e for e in _read_log(log_path)[::-1]
+                             if e["event"] == "idle_check" and e["time"] > end), None)
+                if idle is not None:
+                    break
+                time.sleep(0.05)
+            flushed = engine.flush_cache()
+            events = [e for e in _read_log(log_path) if e.get("label") == ep["label"]]
+            victims = sorted({v for e in events if e["event"] == "inject" for v in e["victims"]}
+                             | {e["rid"] for e in events if e["event"] == "victim"})
+            result["episodes"].append({
+                "label": ep["label"], "fault": ep.get("fault"), "seed": ep.get("seed", 0), "armed": armed,
+                "requests": outs, "events": events, "victims": victims, "idle_check": idle,
+                "flushed": getattr(flushed, "success", flushed), "seconds": end - t})
+            save()
+    finally:
+        engine.shutdown()
+    save()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m faultlab.sglang_live.harness SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    return run(spec, argv[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
