@@ -172,15 +172,9 @@ def guard_of(obj) -> SGLangGuard | None:
     """
     for name in (None, "token_to_kv_pool_allocator", "tree_cache"):
         target = obj if name is None else getattr(obj, name, None)
-        if target is None:
-            continue
-        guard = target.__dict__.get("_kvguard") if hasattr(target, "__dict__") else None
-        if guard is not None:
-            return guard
-        allocator = getattr(target, "token_to_kv_pool_allocator", None)
-        if allocator is not None and allocator is not target and hasattr(allocator, "__dict__"):
-            guard = allocator.__dict__.get("_kvguard")
-            if guard is not None:
+        for holder in (target, getattr(target, "token_to_kv_pool_allocator", None)):
+            guard = getattr(holder, "__dict__", {}).get("_kvguard")
+            if isinstance(guard, SGLangGuard):
                 return guard
     return None
 

@@ -1,0 +1,287 @@
+"""kvguard inside SGLang never makes things worse: safe aborts, guarded writes, every entry, fail closed.
+
+Each test drives SGLang 0.5.23's real pools, allocator, radix tree and ScheduleBatch (prepare_for_extend /
+prepare_for_decode, release_kv_cache) with kvguard's hooks applied by SGLang's own plugin loader, and
+breaks a mapping with SGLang's own API or a plain req_to_token write, as a bug would. Each one fails on
+the plugin as it was before issue 13 (page-granular decode-only checks, release from the broken row).
+"""
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvguard.sglang.testing import check_hooks, make_rig, rig_ps, sglang_loader  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.sglang
+
+
+def _running(rig, *prompt_lens):
+    batch = rig.to_decode(*[rig.prefill(n) for n in prompt_lens])
+    rig.decode(batch)
+    assert set(rig.verdict(batch).values()) == {0}
+    rig.sample(batch)
+    return batch
+
+
+def _free_pages(rig) -> list[int]:
+    """Every page on SGLang's free lists (page ids; slots for the page-size-1 token allocator)."""
+    pages = rig.allocator.get_all_free_pages()
+    staged = getattr(rig.allocator, "staged_pages", None) or []
+    return sorted(torch.cat([pages, *staged]).tolist()) if staged else sorted(pages.tolist())
+
+
+def _abort_flagged(rig, batch):
+    pending = batch.__dict__.pop("_kvguard")
+    flagged = rig.guard.resolve(pending, group=None)
+    return rig.guard.abort(flagged, tree_cache=rig.tree, stream=None)
+
+
+def _all_pages(rig) -> list[int]:
+    return list(range(1, rig.allocator.num_pages + 1)) if rig.page_size > 1 or hasattr(
+        rig.allocator, "num_pages") else list(range(1, rig.allocator.size + 1))
+
+
+# -- 1. the abort releases only what the request legitimately holds --------------------------------------
+def test_abort_never_frees_another_requests_page(rig_ps):
+    rig, ps = rig_ps, rig_ps.page_size
+    batch = _running(rig, 2 * ps + 3, 2 * ps + 3, 2 * ps + 3)
+    a, b, c = batch.reqs
+    c_page, a_page1 = rig.pages_of(c)[0], rig.pages_of(a)[1]
+    rig.row(a)[ps:2 * ps] = rig.page_slots(c_page).to(torch.int32)  # A's 2nd page now names C's 1st
+    rig.decode(batch)
+    assert rig.verdict(batch) == {a.rid: 1, b.rid: 0, c.rid: 0}
+    assert [r.rid for r in _abort_flagged(rig, batch)] == [a.rid]
+    free = _free_pages(rig)
+    assert c_page not in free  # SGLang's release alone would free C's page here (the row names it)
+    assert a_page1 in free  # A's own page, which its broken row no longer names, is not leaked
+    assert len(free) == len(set(free))
+    rig.sample(batch)
+    batch.filter_batch()
+    rig.decode(batch)  # C is not flagged one step later (no chain of innocent aborts)
+    assert rig.verdict(batch) == {b.rid: 0, c.rid: 0}
+    for req in (b, c):
+        rig.release(req)
+    assert _free_pages(rig) == _all_pages(rig)  # accounting exactly as after clean finishes
+
+
+def test_abort_leaves_a_shared_tree_page_with_its_holders(make_rig):
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    ps, prefix = 16, [11 + i for i in range(32)]
+    first = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [901])])
+    rig.release(first.reqs[0], checkpoint=True)  # the tree keeps its two full pages
+    holders = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [902 + i]) for i in range(2)])
+    other = rig.prefill(2 * ps + 3)
+    batch = rig.to_decode(holders, other)
+    h1, h2, victim = batch.reqs
+    tree_page = rig.pages_of(h1)[0]
+    assert rig.pages_of(h2)[0] == tree_page and h1.kv.cache_protected_len == 32
+    rig.decode(batch)
+    rig.sample(batch)
+    rig.row(victim)[ps:2 * ps] = rig.page_slots(tree_page).to(torch.int32)  # names the shared page
+    rig.decode(batch)
+    assert rig.verdict(batch) == {h1.rid: 0, h2.rid: 0, victim.rid: 1}
+    _abort_flagged(rig, batch)
+    assert tree_page not in _free_pages(rig)
+    rig.sample(batch)
+    batch.filter_batch()
+    rig.decode(batch)
+    assert rig.verdict(batch) == {h1.rid: 0, h2.rid: 0}
+    # a newcomer matching the prefix gets the tree page once, and is clean
+    late = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [999, 998])])
+    pages = rig.pages_of(late.reqs[0])
+    assert pages[0] == tree_page and len(pages) == len(set(pages))
+    assert rig.verdict(late) == {late.reqs[0].rid: 0}
+
+
+# -- 2. the current step never writes through a broken entry -----------------------------------------------
+def test_write_slot_of_a_flagged_request_is_redirected_before_the_forward(make_rig):
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    ps = 16
+    batch = _running(rig, ps + 3, ps + 3)
+    a, c = batch.reqs
+    c_page0 = rig.pages_of(c)[0]
+    seq = int(a.kv.kv_allocated_len)  # the next write goes to position seq, slot = row[seq - 1] + 1
+    span = torch.arange(ps, seq)
+    rig.row(a)[ps:seq] = (c_page0 * ps + span % ps).to(torch.int32)  # A's current page -> C's first page
+    rig.decode(batch)
+    out = batch.out_cache_loc.tolist()
+    # SGLang chose last_loc + 1 inside C's page for A: kvguard moved it to the padding slot
+    assert out[0] == 0 and out[1] // ps == rig.pages_of(c)[1]
+    assert rig.verdict(batch) == {a.rid: 1, c.rid: 0}
+
+
+def test_extend_write_slots_of_a_flagged_request_are_redirected(make_rig):
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    prefix = [21 + i for i in range(32)]
+    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [5])])
+    rig.release(done.reqs[0], checkpoint=True)
+    tree_page = rig.pages_of(rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [6])]).reqs[0])[1]
+    rig.allocator.free(rig.page_slots(tree_page))  # the bug: a tree page freed while the tree maps it
+    batch = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [7, 8, 9]), rig.make_req(20)])
+    hit, clean = batch.reqs
+    assert rig.verdict(batch) == {hit.rid: 1, clean.rid: 0}
+    lens = batch.extend_lens
+    out = batch.out_cache_loc.tolist()
+    assert out[:lens[0]] == [0] * lens[0] and 0 not in out[lens[0]:]
+
+
+# -- 3. every entry is checked, inside pages too ----------------------------------------------------------
+@pytest.mark.parametrize("kind", ["other_page", "same_page_wrong_offset"])
+def test_entry_inside_a_page_is_checked(make_rig, kind):
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    ps = 16
+    batch = _running(rig, 2 * ps + 1, 2 * ps + 1)
+    a, b = batch.reqs
+    own = rig.pages_of(a)[0]
+    if kind == "other_page":
+        rig.row(a)[5] = rig.pages_of(b)[0] * ps + 5
+    else:
+        rig.row(a)[5] = own * ps + 6  # token 5 reads token 6's KV
+    rig.decode(batch)
+    assert rig.verdict(batch) == {a.rid: 1, b.rid: 0}
+    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.verdict_host, [a.rid, b.rid])
+    assert err[0].logical_position == 5
+    assert err[0].reason == ("tag_mismatch" if kind == "other_page" else "misplaced_in_page")
+
+
+# -- 4. extend / prefill batches are checked before their forward ---------------------------------------
+def test_prefill_matching_a_freed_tree_page_is_flagged_and_discarded(rig_ps):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    rig, ps = rig_ps, rig_ps.page_size
+    prefix = [31 + i for i in range(2 * ps)]
+    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [5])])
+    tree_pages = rig.pages_of(done.reqs[0])[:2]
+    rig.release(done.reqs[0], checkpoint=True)
+    rig.allocator.free(rig.page_slots(tree_pages[0]))  # freed while the tree still references it
+    thief = rig.prefill(ps)  # LIFO reuse: another request now owns and writes that page
+    assert rig.pages_of(thief.reqs[0])[0] == tree_pages[0]
+    batch = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [6, 7])])
+    hit = batch.reqs[0]
+    assert rig.pages_of(hit)[0] == tree_pages[0]  # the tree handed out the stolen page
+    assert rig.verdict(batch) == {hit.rid: 1}
+    pending = batch.__dict__.pop("_kvguard")
+    flagged = rig.guard.resolve(pending)
+    assert rig.guard.discard(flagged) == [hit]
+    assert isinstance(hit.discard_output_reason, FINISH_ABORT) and hit.skip_radix_cache_insert
+    rig.release(hit)  # what SGLang's prefill path does with a discarded request
+    assert tree_pages[0] not in _free_pages(rig)  # still the thief's
+    rig.decode(thief)
+    assert rig.verdict(thief) == {thief.reqs[0].rid: 0}
+
+
+# -- 0 false aborts over many clean steps, accounting balanced ------------------------------------------
+@pytest.mark.parametrize("page_size,need_sort", [(1, False), (16, False), (16, True)])
+def test_no_false_aborts_over_clean_steps_with_prefix_sharing(make_rig, page_size, need_sort):
+    rig = make_rig(page_size, num_tokens=4096, rows=24, context=256, need_sort=need_sort)
+    rig.install(registry=rig.registry)
+    rng = random.Random(page_size * 7 + need_sort)
+    prefixes = [[100 + 50 * p + i for i in range(rng.choice([16, 32, 40]))] for p in range(4)]
+    running, steps, finished = None, 0, 0
+    while steps < 400:
+        if running is None or (len(running.reqs) < 12 and rng.random() < 0.3):
+            reqs = [rig.make_req(0, max_new_tokens=64,
+                                 tokens=rng.choice(prefixes) + [rng.randrange(1000, 9000) for _ in range(rng.randrange(1, 20))])
+                    for _ in range(rng.randrange(1, 4))]
+            new = rig.prefill(reqs=reqs)
+            assert set(rig.verdict(new).values()) == {0}
+            running = new if running is None else rig.to_decode(running, new)
+        rig.decode(running)
+        assert set(rig.verdict(running).values()) == {0}, steps
+        rig.sample(running)
+        steps += 1
+        keep = []
+        for i, req in enumerate(running.reqs):
+            if len(req.output_ids) > rng.randrange(8, 60):
+                rig.release(req, checkpoint=True)
+                finished += 1
+            else:
+                keep.append(i)
+        if not keep:
+            running = None
+            continue
+        running.filter_batch(keep_indices=keep)
+    assert finished > 20
+    assert rig.guard.tracker.metrics.violations._metrics == {}  # no violation of any reason
+
+
+# -- 5. fail closed -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env,name", [
+    ({"KVGUARD_MODE": "chekc"}, "KVGUARD_MODE"),
+    ({"KVGUARD_MODE": ""}, "KVGUARD_MODE"),
+    ({"KVGUARD_MODE": "on"}, "KVGUARD_MODE"),
+    ({"KVGUARD_MODE": "check", "KVGUARD_BACKEND": "cuda"}, "KVGUARD_BACKEND"),
+    ({"KVGUARD_MODE": "check", "KVGUARD_LOG_VIOLATIONS": "maybe"}, "KVGUARD_LOG_VIOLATIONS"),
+])
+def test_register_refuses_bad_settings(env, name):
+    from kvguard.sglang.plugin import KVGuardStartupError, register
+
+    with pytest.raises(KVGuardStartupError) as info:
+        register(env=env)
+    assert isinstance(info.value, SystemExit) and not isinstance(info.value, Exception)
+    assert name in str(info.value.code)
+
+
+def _run(code: str, **env):
+    full = {**os.environ, "SGLANG_PLUGINS": "kvguard", **env}
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_setting_stops_the_process_through_sglangs_own_loader():
+    # SGLang's load_plugins() catches Exception from plugins; kvguard's refusal must get through it
+    r = _run("import sglang.srt.plugins as p; p.load_plugins(); print('SERVING')", KVGUARD_MODE="chekc")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "SERVING" not in r.stdout
+    assert "KVGUARD_MODE" in r.stderr and "check" in r.stderr
+
+
+def test_launcher_exits_2_before_sglang_starts():
+    r = _run("from kvguard.sglang.launch import main; main(['--help'])", KVGUARD_MODE="bogus")
+    assert r.returncode == 2 and "KVGUARD_MODE" in r.stderr
+    r = _run("from kvguard.sglang.launch import main; main(['--help'])", SGLANG_PLUGINS="other")
+    assert r.returncode == 2 and "SGLANG_PLUGINS" in r.stderr
+
+
+# -- 6. the API a user reaches for ----------------------------------------------------------------------
+def test_guard_of_reaches_the_installed_guard(rig_ps):
+    from kvguard.sglang.plugin import guard_of, guards
+
+    rig = rig_ps
+    batch = rig.prefill(5)
+    assert guard_of(rig.allocator) is rig.guard
+    assert guard_of(rig.tree) is rig.guard
+    assert guard_of(batch) is rig.guard
+    assert rig.guard in guards()
+    assert guard_of(object()) is None
+
+
+def test_allocator_subclass_is_covered_and_others_refused(make_rig):
+    from prometheus_client import CollectorRegistry
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    from kvguard.metrics import metrics_for
+    from kvguard.sglang.plugin import KVGuardStartupError, install
+
+    class MyAllocator(PagedTokenToKVPoolAllocator):
+        pass
+
+    rig = make_rig(16)
+    sub = MyAllocator(1024, page_size=16, dtype=torch.float8_e4m3fn, device="cpu", kvcache=rig.kv,
+                      need_sort=False)
+    guard = install(rig.req_to_token_pool, sub, None, registry=rig.registry)  # no tree: fine
+    assert guard is not None and guard.allocator is sub
+
+    class Other:
+        page_size = 16
+
+    registry = CollectorRegistry()
+    with pytest.raises(KVGuardStartupError, match="Other.*not covered"):
+        install(rig.req_to_token_pool, Other(), None, registry=registry)
+    assert metrics_for(registry).uncovered._value.get() == 1
