@@ -108,8 +108,16 @@ def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
     return _judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline)
 
 
-def _drive(engine: Engine, arrivals, max_steps: int = 10_000) -> None:
+def _drive(engine: Engine, arrivals, max_steps: int | None = None) -> None:
+    """Add each request at its arrival step and step the engine until every request has ended.
+
+    ``max_steps`` (default: the last arrival plus, per request, its prompt and output tokens and two
+    steps: a bound no healthy run reaches, even one request at a time) stops a run that hangs.
+    """
     pending = sorted(arrivals, key=lambda a: a[0])
+    if max_steps is None:
+        max_steps = max((a[0] for a in pending), default=0) + sum(
+            len(r.prompt) + r.max_new_tokens + 2 for _, r in pending) + 100
     step = 0
     while pending or engine.has_work():
         while pending and pending[0][0] <= step:

@@ -8,17 +8,18 @@
     faultlab generate --model smollm2 "PROMPT"
     faultlab eval-kv --model smollm2 --json OUT
 
-Exit codes: 0 ok, 1 expectations failed, 2 bad input (nothing written).
+Exit codes: 0 ok, 1 expectations failed (or nothing was tested), 2 bad input (nothing written).
+Every input is checked before any work (faultlab/validate.py, faultlab/scenario.py).
 """
 import argparse
 import sys
 import time
 
+from .validate import UsageError
+
 EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input from the command line (exit code 2)."""
+EXIT_FAILED = 1
+EVAL_TEXT_TOKENS = 80_000  # eval-kv reads at most this many tokens of pydoc_data (it has ~110,000)
 
 
 def _add_run_args(p):
@@ -29,12 +30,15 @@ def _add_run_args(p):
     p.add_argument("--first-seed", type=int, help="override [faults].first_seed")
     p.add_argument("--tracker", choices=("on", "off", "both"), default="both")
     p.add_argument("--faults", help="comma-separated fault classes (override the scenario)")
-    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
+    p.add_argument("--jobs", type=int, default=0, help="worker processes (default 0: one per core; at most "
+                                                      "one per core)")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the fault-free run per seed (no non-victim output comparison; faster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .engine.engine import PAGE_SIZES, EngineConfig
+
     parser = argparse.ArgumentParser(prog="faultlab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("faults", help="list the fault catalog").add_argument("--json", dest="json_out")
@@ -54,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
     gen.add_argument("--weights", default="int4", choices=("int4", "bf16", "fp32"))
     gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument("--page-size", type=int, default=EngineConfig.page_size, choices=PAGE_SIZES)
     gen.add_argument("--kv-residual", action="store_true",
                      help="FP8 K/V at ~BF16 precision for the first and most recent tokens (engine.kv_residual)")
     bench = sub.add_parser("bench", help="GPU benchmarks (H200): tracker overhead and the write-up's claims",
@@ -87,12 +91,13 @@ def main(argv=None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     args.command_line = "faultlab " + " ".join(argv)  # recorded in result files
-    from .scenario import ScenarioError
+    from .engine.engine import ConfigError
     from .faults.catalog import UnknownFault
+    from .scenario import ScenarioError
 
     try:
         return COMMANDS[args.command](args)
-    except (ScenarioError, UnknownFault, UsageError) as err:
+    except (ScenarioError, UnknownFault, UsageError, ConfigError) as err:
         print(f"faultlab: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -101,7 +106,9 @@ def main(argv=None) -> int:
 def cmd_faults(args) -> int:
     from .faults.catalog import catalog
     from .report import write_json
+    from .validate import check_output_file
 
+    check_output_file("--json", args.json_out)
     entries = catalog()
     for e in entries:
         det = "detectable" if e["detectable"] else "NOT detectable"
@@ -114,14 +121,14 @@ def cmd_faults(args) -> int:
 
 
 def _load_classes(args, scenario, all_classes: bool) -> list[str]:
-    from .faults.catalog import get_fault
-    from .scenario import available_faults, fault_classes
+    from .scenario import available_faults, check_classes, fault_classes
 
-    if args.faults:
-        names = [n.strip() for n in args.faults.split(",") if n.strip()]
-        for n in names:
-            get_fault(n)  # unknown -> UnknownFault (exit 2)
-        return names
+    if args.faults is not None:
+        names = [n.strip() for n in args.faults.split(",")]
+        if not all(names):
+            raise UsageError(f"--faults {args.faults!r} is not valid; give comma-separated fault names "
+                             f"(see `faultlab faults`) or 'all'")
+        return check_classes(names, scenario.engine, where="--faults")  # the checks a TOML list gets
     if all_classes:
         return available_faults(scenario.engine)  # phase_split-only classes when the engine splits
     return fault_classes(scenario)
@@ -171,43 +178,65 @@ def _run_cases(scenario, classes, seeds, trackers, label, jobs: int = 0, compare
     return cases
 
 
-def _report(args, scenario, cases, started) -> int:
-    from pathlib import Path
-
-    from .report import aggregate, plot, table, verdict, write_json
+def _report(args, scenario, cases, started, paths) -> int:
+    from .report import aggregate, failures, plot, table, write_json
 
     rows = aggregate(cases)
-    print(table(rows))
-    failed = [r["fault"] for r in rows if verdict(r) == "FAIL"]
-    payload = {"scenario": scenario.name, "scenario_path": scenario.path, "classes": rows,
-               "seconds": round(time.time() - started, 1), "failed": failed,
+    print(table(rows, scenario.expect))
+    why = {f"{r['fault']} (tracker {r['tracker']})": failures(r, scenario.expect) for r in rows}
+    why = {k: v for k, v in why.items() if v}
+    if not cases:
+        why["run"] = ["no case ran: nothing was tested"]
+    failed = sorted({r["fault"] for r in rows if failures(r, scenario.expect)}) + (["run"] if not cases else [])
+    payload = {"scenario": scenario.name, "scenario_path": scenario.path, "command": args.command_line,
+               "seeds": scenario.faults.seeds, "first_seed": scenario.faults.first_seed, "classes": rows,
+               "seconds": round(time.time() - started, 1), "failed": failed, "failures": why,
                "cases": [c.to_json() | {"outputs": None} for c in cases]}
-    if args.json_out:
-        write_json(args.json_out, payload)
-        plot_path = args.plot or str(Path(args.json_out).with_suffix(".png"))
+    json_path, plot_path = paths
+    if json_path is not None:
         plot(rows, plot_path, f"faultlab {scenario.name}: {len(cases)} cases")
-        print(f"\nwrote {args.json_out} and {plot_path}")
+        write_json(json_path, payload)
+        print(f"\nwrote {json_path} and {plot_path}")
+    for name, reasons in why.items():
+        print(f"FAIL {name}: {'; '.join(reasons)}")
     print(f"{len(cases)} cases in {time.time() - started:.0f} s; "
           + ("all expectations met" if not failed else f"FAILED: {', '.join(failed)}"))
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else 0
+
+
+def _scenario_for(args):
+    """The scenario with the CLI's --seeds/--first-seed applied, checked against this machine."""
+    from dataclasses import replace
+
+    from .scenario import check_seed_range, load
+    from .validate import check_runnable, check_seeds
+
+    check_seeds(args.seeds, getattr(args, "first_seed", None))
+    scenario = load(args.scenario)
+    overrides = {k: v for k, v in (("seeds", args.seeds), ("first_seed", getattr(args, "first_seed", None)))
+                 if v is not None}
+    if overrides:
+        scenario = replace(scenario, faults=replace(scenario.faults, **overrides))
+        check_seed_range(scenario.faults.first_seed, scenario.faults.seeds, "--first-seed + --seeds")
+    check_runnable(scenario)
+    return scenario
 
 
 def cmd_run(args, all_classes: bool = False) -> int:
-    from .scenario import load
+    from .validate import check_jobs, check_report_paths
 
-    scenario = load(args.scenario)
-    if args.first_seed is not None:
-        from dataclasses import replace
-
-        scenario = replace(scenario, faults=replace(scenario.faults, first_seed=args.first_seed))
+    check_jobs(args.jobs)
+    paths = check_report_paths(args.json_out, args.plot)
+    scenario = _scenario_for(args)
     classes = _load_classes(args, scenario, all_classes)
     if not classes:
-        raise UsageError(f"{args.scenario}: [faults].classes is empty; use `faultlab soak` for fault-free runs")
+        raise UsageError(f"{args.scenario}: [faults].classes is empty; name fault classes (or 'all'), or use "
+                         f"`faultlab soak` for fault-free runs")
     trackers = ("off", "on") if args.tracker == "both" else (args.tracker,)
     started = time.time()
-    cases = _run_cases(scenario, classes, args.seeds or scenario.faults.seeds, trackers, scenario.name,
+    cases = _run_cases(scenario, classes, scenario.faults.seeds, trackers, scenario.name,
                        args.jobs, compare=not args.no_compare)
-    return _report(args, scenario, cases, started)
+    return _report(args, scenario, cases, started, paths)
 
 
 def cmd_matrix(args) -> int:
@@ -216,27 +245,48 @@ def cmd_matrix(args) -> int:
 
 def cmd_soak(args) -> int:
     from .soak import run_soak
+    from .validate import check_output_file
 
+    check_output_file("--json", args.json_out)
+    _scenario_for(args)  # the checks of `run`; run_soak reads the file again
     return run_soak(args)
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import check_args, run_demo
 
+    check_args(args)
     return run_demo(args)
+
+
+def _tokenizer_model(flag: str, name: str):
+    """Only smollm2 has a tokenizer (and a real text to read)."""
+    from .validate import check_model
+
+    if name != "smollm2":
+        raise UsageError(f"{flag} {name!r} is not valid; this command needs a model with a tokenizer: ['smollm2']")
+    return check_model(flag, name)
 
 
 def cmd_generate(args) -> int:
     from .engine.engine import Engine, EngineConfig
     from .engine.requests import Request
+    from .validate import check_tokens
 
-    if args.model != "smollm2":
-        raise UsageError(f"--model {args.model!r}: generate needs a model with a tokenizer; valid: ['smollm2']")
-    engine = Engine(EngineConfig(model="smollm2", kv_dtype=args.kv_dtype, weight_dtype=args.weights,
-                                 page_size=args.page_size, kv_budget_mb=64, batch_invariant=False,
-                                 kv_residual=args.kv_residual))
+    if not args.prompt.strip():
+        raise UsageError("prompt '' is not valid; give some text to complete")
+    mc = _tokenizer_model("--model", args.model)
+    config = EngineConfig(model="smollm2", kv_dtype=args.kv_dtype, weight_dtype=args.weights,
+                          page_size=args.page_size, kv_budget_mb=64, batch_invariant=False,
+                          kv_residual=args.kv_residual)  # a bad combination: ConfigError, exit 2
+    context = min(config.max_context, mc.max_context)
+    check_tokens("--max-tokens", args.max_tokens, 1, context - 1)
+    engine = Engine(config)
     tok = engine.tokenizer
     request = Request("cli", tok.encode(args.prompt, add_bos=False), args.max_tokens, stop_ids=(tok.eos_id,))
+    if request.pages_needed(engine.page_size) > min(engine.max_pages, engine.num_pages):
+        raise UsageError(f"prompt ({len(request.prompt)} tokens) + --max-tokens {args.max_tokens} is too long: "
+                         f"at most {min(engine.max_pages, engine.num_pages) * engine.page_size} tokens in all")
     engine.add_request(request)
     sys.stdout.write(args.prompt)
     for event in iter(lambda: engine.step() if engine.has_work() else None, None):
@@ -250,12 +300,43 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _check_eval_args(args) -> dict:
+    """eval-kv's numbers, before the model loads; returns the residual sizes given."""
+    import inspect
+
+    from .evalkv import _windows, eval_kv
+    from .validate import check_flag, check_output_file
+
+    chunk = inspect.signature(eval_kv).parameters["chunk"].default  # eval-kv's teacher-forcing chunk
+
+    check_output_file("--json", args.json_out)
+    mc = _tokenizer_model("--model", args.model)
+    check_flag("--positions", args.positions, 1, EVAL_TEXT_TOKENS)
+    check_flag("--window", args.window, chunk + 1, mc.max_context)
+    check_flag("--prompt", args.prompt, 0, args.window - 1)
+    sizes = {k: v for k, v in (("residual_sink", args.residual_sink), ("residual_window", args.residual_window))
+             if v is not None}
+    if sizes and not args.kv_residual:
+        raise UsageError(f"--residual-sink/--residual-window ({sizes}) are not valid without --kv-residual")
+    check_flag("--residual-sink", args.residual_sink, 0, args.window)
+    check_flag("--residual-window", args.residual_window, 1, args.window)
+    head = max(chunk, args.prompt)
+    if args.window <= head:
+        raise UsageError(f"--window {args.window} is not valid with --prompt {args.prompt}: it must exceed "
+                         f"max({chunk}, --prompt) = {head}")
+    text = sum(n for _, n in _windows(args.positions, args.window, head))
+    if text > EVAL_TEXT_TOKENS:
+        raise UsageError(f"--positions {args.positions} with --window {args.window} and --prompt {args.prompt} "
+                         f"reads {text} tokens of text; at most {EVAL_TEXT_TOKENS} (fewer positions or a "
+                         f"longer window)")
+    return sizes
+
+
 def cmd_eval_kv(args) -> int:
     from .evalkv import eval_kv
     from .report import write_json
 
-    sizes = {k: v for k, v in (("residual_sink", args.residual_sink), ("residual_window", args.residual_window))
-             if v is not None}
+    sizes = _check_eval_args(args)
     result = eval_kv(args.model, n_positions=args.positions, window=args.window, rotate_k=args.rotate_k,
                      residual=args.kv_residual, prompt=args.prompt, **sizes)
     print(result)

@@ -30,6 +30,22 @@ PROMPTS = (
 )
 ENGINE = EngineConfig(model="smollm2", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=96,
                       max_running=8, prefix_cache=True, batch_invariant=True)
+MAX_TOKENS = 256  # per prompt: each request (<= 12 prompt tokens) fits the 96-page pool and the context
+
+
+def check_args(args) -> None:
+    """``--fault``, ``--max-tokens`` and ``--out`` before any work (UsageError / UnknownFault: exit 2)."""
+    from .faults.catalog import FAULTS, get_fault
+    from .scenario import fault_available
+    from .validate import UsageError, check_model, check_output_dir, check_tokens
+
+    get_fault(args.fault)
+    if not fault_available(FAULTS[args.fault], ENGINE):
+        raise UsageError(f"--fault {args.fault!r} cannot strike in the demo's engine (it needs "
+                         f"{FAULTS[args.fault].requires!r}); see `faultlab faults`")
+    check_tokens("--max-tokens", args.max_tokens, 1, MAX_TOKENS)
+    check_output_dir("--out", args.out)
+    check_model("the demo's model", ENGINE.model)
 
 
 def _requests(tokenizer, max_tokens: int) -> list[tuple[int, Request]]:

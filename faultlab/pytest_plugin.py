@@ -4,11 +4,16 @@ What it adds to every pytest run in an environment where faultlab is installed:
 
 - ``--faultlab-seed=N|last|random`` (group ``faultlab``): one seed per session, printed in the run
   header. ``random`` (the default) draws a fresh one; ``last`` reuses the previous session's seed
-  (stored in the pytest cache, or in ``<rootdir>/.faultlab-seed`` when the cache plugin is off).
+  (stored in the pytest cache, or in ``<rootdir>/.faultlab-seed`` when the cache plugin is off). The
+  seed is stored only once a test uses faultlab: a project that never does gets no file.
 - fixtures: ``faultlab_seed``, ``kv_engine`` (factory), ``kv_tracker``, ``kv_injector`` (factory),
   ``kvfault`` and ``chaos_runner`` (factory).
-- the marker ``@pytest.mark.kvfault(name, seed=None, trigger="step", step=3, count=1)``: engines built
-  by ``kv_engine`` in that test run with the fault injected.
+- the marker ``@pytest.mark.kvfault(name, seed=None, trigger="step", step=3, count=1, require_strike=True)``:
+  engines built by ``kv_engine`` and runs of ``chaos_runner`` in that test run with the fault injected,
+  with the marker's seed (default: the session's). A test whose fault never struck fails (unless
+  ``require_strike=False``); bad arguments fail the test before it runs.
+- a failed test that used faultlab gets a ``faultlab`` report section: fault, seed, strikes, victims and
+  the command that reproduces it.
 
 This module stays light: torch and faultlab.engine are imported only inside fixtures and hooks that
 need them, so a pytest run that never touches faultlab pays nothing for the plugin.
@@ -21,17 +26,23 @@ from pathlib import Path
 
 import pytest
 
+from faultlab.limits import SEED_MAX
+
 SEED_OPTION = "--faultlab-seed"
 SEED_CACHE_KEY = "faultlab/seed"
 SEED_FILE = ".faultlab-seed"
-SEED_MAX = 2**32 - 1
 _SEED_KEY = pytest.StashKey[int]()
 _SEED_NOTE_KEY = pytest.StashKey[str]()
+_STORED_KEY = pytest.StashKey[bool]()
+_FAULT_KEY = pytest.StashKey["KVFault"]()
+_RUNS_KEY = pytest.StashKey[list]()
 _FIXTURES = {"faultlab_seed", "kv_engine", "kv_injector", "kvfault", "chaos_runner", "kv_tracker"}
+MARKER_KWARGS = ("name", "seed", "trigger", "step", "count", "event", "p", "require_strike")
 
-MARKER_DOC = ("kvfault(name, seed=None, trigger='step', step=3, count=1, event='alloc', p=0.1): "
-              "engines built by the kv_engine fixture run with this faultlab fault injected "
-              "(seed defaults to the session's --faultlab-seed)")
+MARKER_DOC = ("kvfault(name, seed=None, trigger='step', step=3, count=1, event='alloc', p=0.1, "
+              "require_strike=True): engines built by kv_engine and runs of chaos_runner in this test run "
+              "with this faultlab fault injected (seed defaults to the session's --faultlab-seed); the test "
+              "fails if the fault never strikes")
 
 
 # -- options and the session seed ------------------------------------------------------------------
@@ -107,8 +118,15 @@ def pytest_configure(config: pytest.Config) -> None:
     seed, note = _resolve_seed(config)
     config.stash[_SEED_KEY] = seed
     config.stash[_SEED_NOTE_KEY] = note
-    if getattr(config, "workerinput", None) is None:
+
+
+def _used_seed(config: pytest.Config) -> int:
+    """The session seed, remembered for ``--faultlab-seed=last`` the first time a test uses faultlab."""
+    seed = config.stash[_SEED_KEY]
+    if not config.stash.get(_STORED_KEY, False):
+        config.stash[_STORED_KEY] = True
         _store_seed(config, seed)
+    return seed
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -129,12 +147,29 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
-    """A failed test that used faultlab names the seed that reproduces it."""
+    """A failed test that used faultlab names its fault, seed, strikes and victims, and how to rerun it."""
     report = yield
-    if report.failed and _FIXTURES & set(getattr(item, "fixturenames", ())):
-        seed = item.config.stash[_SEED_KEY]
-        report.sections.append(("faultlab", f"seed={seed}; reproduce with {SEED_OPTION}={seed}"))
+    uses = _FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("kvfault")
+    if report.failed and uses:
+        report.sections.append(("faultlab", failure_note(item)))
     return report
+
+
+def failure_note(item: pytest.Item) -> str:
+    """The ``faultlab`` report section of a failed test."""
+    seed = item.config.stash[_SEED_KEY]
+    lines = []
+    fault = item.stash.get(_FAULT_KEY, None)
+    if fault is not None:
+        lines.append(f"fault={fault.name} seed={fault.seed} trigger={fault.trigger} count={fault.count}")
+        lines.append(f"strikes={fault.injected or 'none'}")
+    for run in item.stash.get(_RUNS_KEY, []):
+        lines.append(f"chaos_runner: fault={run.fault} seed={run.seed} tracker={run.tracker} "
+                     f"injected={run.injected} victims={run.victims} victims_aborted={run.victims_aborted} "
+                     f"false_positives={run.false_positives} corrupted_tokens_returned="
+                     f"{run.corrupted_tokens_returned} nonvictim_mismatches={run.nonvictim_mismatches}")
+    lines.append(f"seed={seed}; reproduce with: pytest {item.nodeid!r} {SEED_OPTION}={seed}")
+    return "\n".join(lines)
 
 
 # -- the kvfault marker ----------------------------------------------------------------------------
@@ -146,6 +181,7 @@ class KVFault:
     seed: int
     trigger: object  # faultlab.faults.injector.Trigger
     count: int = 1
+    require_strike: bool = True
     injectors: list = field(default_factory=list)
 
     def injector(self):
@@ -171,8 +207,14 @@ def make_trigger(trigger="step", *, step: int = 3, event: str = "alloc", p: floa
     return Trigger(mode=trigger, step=step, event=event, p=p)
 
 
+def _int_arg(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is not valid; it must be an integer in {low}..{high}")
+    return value
+
+
 def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
-    """The item's kvfault marker as a KVFault; fails the test for an unknown fault or bad trigger."""
+    """The item's kvfault marker as a KVFault; fails the test (no traceback) for any bad argument."""
     marker = item.get_closest_marker("kvfault")
     if marker is None:
         return None
@@ -180,30 +222,47 @@ def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
 
     kwargs = dict(marker.kwargs)
     name = marker.args[0] if marker.args else kwargs.pop("name", None)
-    if not isinstance(name, str):
-        pytest.fail("@pytest.mark.kvfault needs a fault name, e.g. @pytest.mark.kvfault('double_free')",
-                    pytrace=False)
+    if not isinstance(name, str) or len(marker.args) > 1:
+        pytest.fail("@pytest.mark.kvfault needs one fault name, then keyword arguments, e.g. "
+                    "@pytest.mark.kvfault('double_free', step=2)", pytrace=False)
     try:
+        unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+        if unknown:
+            raise ValueError(f"unknown argument(s) {unknown}; valid: {list(MARKER_KWARGS[1:])}")
         get_fault(name)
         seed = kwargs.pop("seed", None)
-        count = kwargs.pop("count", 1)
+        seed = default_seed if seed is None else _int_arg("seed", seed, 0, SEED_MAX)
+        count = _int_arg("count", kwargs.pop("count", 1), 1, 1000)
+        require = kwargs.pop("require_strike", True)
+        if not isinstance(require, bool):
+            raise ValueError(f"require_strike={require!r} is not valid; it must be True or False")
         trigger = make_trigger(kwargs.pop("trigger", "step"), **kwargs)
     except (ValueError, TypeError) as err:  # UnknownFault is a ValueError
         pytest.fail(f"@pytest.mark.kvfault({name!r}): {err}", pytrace=False)
-    return KVFault(name, default_seed if seed is None else int(seed), trigger, int(count))
+    return KVFault(name, seed, trigger, count, require)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Validate a kvfault marker before the test runs, whether or not it uses the fixtures."""
     if item.get_closest_marker("kvfault") is not None:
-        _marker_fault(item, item.config.stash[_SEED_KEY])
+        _marker_fault(item, _used_seed(item.config))
+
+
+def _require_hostable(fault: str, engine_config) -> None:
+    """Fail the test when ``engine_config`` cannot host ``fault`` (it would never strike)."""
+    from faultlab.faults.catalog import FAULTS
+    from faultlab.scenario import fault_available
+
+    if not fault_available(FAULTS[fault], engine_config):
+        pytest.fail(f"kvfault {fault!r} cannot strike in this engine: it needs {FAULTS[fault].requires!r} "
+                    f"(see `faultlab faults`)", pytrace=False)
 
 
 # -- fixtures --------------------------------------------------------------------------------------
 @pytest.fixture
 def faultlab_seed(request: pytest.FixtureRequest) -> int:
     """This session's seed (``--faultlab-seed``)."""
-    return request.config.stash[_SEED_KEY]
+    return _used_seed(request.config)
 
 
 def new_tag_tracker():
@@ -220,9 +279,20 @@ def kv_tracker():
 
 
 @pytest.fixture
-def kvfault(request: pytest.FixtureRequest, faultlab_seed: int) -> KVFault | None:
-    """The test's ``@pytest.mark.kvfault`` as a :class:`KVFault` (None when the test has no marker)."""
-    return _marker_fault(request.node, faultlab_seed)
+def kvfault(request: pytest.FixtureRequest, faultlab_seed: int):
+    """The test's ``@pytest.mark.kvfault`` as a :class:`KVFault` (None when the test has no marker).
+
+    At teardown, a marked test whose engines got injectors but saw no strike fails
+    (``require_strike=False`` allows it).
+    """
+    fault = _marker_fault(request.node, faultlab_seed)
+    if fault is not None:
+        request.node.stash[_FAULT_KEY] = fault
+    yield fault
+    if fault is not None and fault.require_strike and fault.injectors and not fault.injected:
+        pytest.fail(f"kvfault {fault.name!r} never struck (seed={fault.seed}, trigger={fault.trigger}): the "
+                    f"test tested nothing; give the engine work past the trigger, or require_strike=False",
+                    pytrace=False)
 
 
 def _tracker_for(tracker):
@@ -254,8 +324,11 @@ def kv_engine(kvfault: KVFault | None):
     the real model engine (skipped when its GGUF package is not installed).
     """
     def make(model: str = "tiny", tracker=True, inject: bool = True, observers=(), **overrides):
+        from faultlab.engine.engine import EngineConfig
+
         observers = list(observers)
         if inject and kvfault is not None:
+            _require_hostable(kvfault.name, EngineConfig(model=model, **overrides))
             observers.insert(0, kvfault.injector())
         if model == "smollm2":
             _require_smollm2()
@@ -304,27 +377,42 @@ def load_scenario(scenario):
 
 
 @pytest.fixture
-def chaos_runner(faultlab_seed: int, kvfault: KVFault | None):
+def chaos_runner(request: pytest.FixtureRequest, faultlab_seed: int, kvfault: KVFault | None):
     """Factory: ``chaos_runner(scenario, fault=<marker>, seed=None, tracker=True, baseline=False,
-    trigger=None, count=None)`` -> CaseResult.
+    trigger=None, count=None, require_strike=None)`` -> CaseResult.
 
     ``scenario`` is a Scenario, a TOML path or a dict. ``fault`` defaults to the test's kvfault marker
-    (with its trigger and count), else no fault. ``baseline=True`` first runs the fault-free case of the
-    same seed, so non-victims' outputs are compared token for token (``nonvictim_mismatches``).
+    (with its seed, trigger and count), else no fault. ``seed`` defaults to the marker's seed, else the
+    session's. ``baseline=True`` first runs the fault-free case of the same seed, so non-victims' outputs
+    are compared token for token (``nonvictim_mismatches``). A fault that never strikes fails the test
+    (``require_strike``: default the marker's, else True).
     """
+    runs = request.node.stash.setdefault(_RUNS_KEY, [])
+
     def run(scenario, fault=_FROM_MARKER, seed: int | None = None, tracker: bool = True,
-            baseline: bool = False, trigger=None, count: int | None = None):
+            baseline: bool = False, trigger=None, count: int | None = None, require_strike: bool | None = None):
         from faultlab.chaos import run_case
+        from faultlab.scenario import check_classes
 
         scenario = load_scenario(scenario)
-        seed = faultlab_seed if seed is None else seed
         if fault is _FROM_MARKER:
             fault = kvfault.name if kvfault is not None else None
             if kvfault is not None:
                 trigger, count = trigger or kvfault.trigger, count or kvfault.count
+                seed = kvfault.seed if seed is None else seed
+        seed = faultlab_seed if seed is None else seed
+        if require_strike is None:
+            require_strike = kvfault.require_strike if kvfault is not None else True
+        if fault is not None:
+            check_classes([fault], scenario.engine, where="chaos_runner fault")  # unknown/unhostable: error
         if isinstance(trigger, str):
             trigger = make_trigger(trigger)
         base = run_case(scenario, None, seed, tracker) if baseline else None
-        return run_case(scenario, fault, seed, tracker, baseline=base, trigger=trigger, count=count)
+        result = run_case(scenario, fault, seed, tracker, baseline=base, trigger=trigger, count=count)
+        runs.append(result)
+        if fault is not None and require_strike and not result.injected:
+            pytest.fail(f"chaos_runner: fault {fault!r} never struck (seed={seed}); the run tested nothing "
+                        f"(require_strike=False allows it)", pytrace=False)
+        return result
 
     return run

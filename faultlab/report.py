@@ -42,18 +42,49 @@ def aggregate(cases) -> list[dict]:
     return rows
 
 
-def verdict(row: dict) -> str:
-    """PASS/FAIL/INFO for one aggregated row, by what the tracker should do for that class."""
-    if row["tracker"] == "off" or row["fault"] == "none" and row["tracker"] == "off":
-        return "info"
-    clean = row["false_positives"] == 0 and row["nonvictim_mismatches"] == 0
-    if row["detectable"]:
-        caught = row["victims"] > 0 and row["victims_aborted"] == row["victims"]
-        return "PASS" if caught and clean and row["corrupted_tokens_returned"] == 0 else "FAIL"
-    return "PASS" if clean else "FAIL"
+def failures(row: dict, expect=None) -> list[str]:
+    """Why one aggregated row fails the scenario's ``[expect]`` (an ``Expectations``; None: the defaults).
+
+    Every row: a fault that never struck in any of its cases fails (the run tested nothing). Tracker-on
+    rows: non-victims' outputs must equal the fault-free run and at most ``max_false_positives`` false
+    aborts; a detectable class returns at most ``max_corrupted_tokens_with_tracker`` corrupted tokens
+    and, with ``all_detectable_caught``, has victims, all of them aborted (an undetectable class
+    corrupts by design: the catalog says why).
+    """
+    from .scenario import Expectations
+
+    expect = expect or Expectations()
+    why = []
+    if row["fault"] != "none" and row["injected"] == 0:
+        why.append(f"{row['fault']} never struck in {row['cases']} case(s) (tracker {row['tracker']})")
+    if row["tracker"] != "on":
+        return why
+    if row["nonvictim_mismatches"]:
+        why.append(f"{row['nonvictim_mismatches']} non-victim output(s) differ from the fault-free run")
+    if row["false_positives"] > expect.max_false_positives:
+        why.append(f"{row['false_positives']} false positive(s) > [expect].max_false_positives = "
+                   f"{expect.max_false_positives}")
+    if row["detectable"] and row["corrupted_tokens_returned"] > expect.max_corrupted_tokens_with_tracker:
+        why.append(f"{row['corrupted_tokens_returned']} corrupted token(s) returned > "
+                   f"[expect].max_corrupted_tokens_with_tracker = {expect.max_corrupted_tokens_with_tracker}")
+    if row["detectable"] and expect.all_detectable_caught and row["injected"]:
+        if row["victims"] == 0:
+            why.append(f"{row['fault']} struck but harmed no request: nothing to catch "
+                       f"([expect].all_detectable_caught)")
+        elif row["victims_aborted"] < row["victims"]:
+            why.append(f"{row['victims'] - row['victims_aborted']} of {row['victims']} victims not aborted "
+                       f"([expect].all_detectable_caught)")
+    return why
 
 
-def table(rows: list[dict]) -> str:
+def verdict(row: dict, expect=None) -> str:
+    """PASS/FAIL/info for one aggregated row (see :func:`failures`); tracker-off rows that struck are info."""
+    if failures(row, expect):
+        return "FAIL"
+    return "info" if row["tracker"] == "off" else "PASS"
+
+
+def table(rows: list[dict], expect=None) -> str:
     heads = ["fault", "det", "tracker", "inj", "victims", "aborted", "false+", "corrupt tok", "lat", "mism",
              "sglang-style", "verdict"]
     lines = []
@@ -63,7 +94,7 @@ def table(rows: list[dict]) -> str:
         lines.append([r["fault"], {True: "yes", False: "no", None: "-"}[r["detectable"]], r["tracker"],
                       r["injected"], r["victims"], r["victims_aborted"], r["false_positives"],
                       r["corrupted_tokens_returned"], "-" if lat is None else f"{lat:g}",
-                      r["nonvictim_mismatches"], sg, verdict(r)])
+                      r["nonvictim_mismatches"], sg, verdict(r, expect)])
     widths = [max(len(str(x)) for x in col) for col in zip(heads, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*heads), fmt.format(*["-" * w for w in widths])]
@@ -72,14 +103,23 @@ def table(rows: list[dict]) -> str:
 
 
 def write_json(path: str | Path, payload: dict) -> None:
-    """Write atomically: a reader never sees a half-written report."""
+    """Write atomically: a reader never sees a half-written report, and a failure leaves no temp file."""
+    _atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
+
+
+def _atomic(path: str | Path, write) -> None:
+    """``write(tmp)`` into a temp file beside ``path``, then rename it over ``path``; remove it on error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
@@ -105,6 +145,7 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    finally:
+        plt.close(fig)

@@ -1,9 +1,12 @@
 """Scenarios: TOML files -> frozen, validated dataclasses.
 
-A malformed file or an unknown name raises ``ScenarioError`` naming the field and the valid choices;
-the CLI turns it into exit code 2 before anything is written. Defaults live in the dataclasses below
-(and in ``EngineConfig``), written once.
+A malformed file or an unknown name raises ``ScenarioError`` naming the field, the value and what is
+allowed; the CLI turns it into exit code 2 before anything is written. Defaults live in the dataclasses
+below (and in ``EngineConfig``), written once; so do the bounds of every number (``LIMITS``).
+``parse``/``load`` check the file itself; ``check_runnable`` (faultlab/validate.py) checks what depends
+on this machine (the device, the model package, memory) and runs before a case does.
 """
+import math
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 from .engine.engine import ConfigError, EngineConfig
 from .faults.catalog import FAULTS
 from .faults.injector import EVENTS, TRIGGERS, Trigger
+from .limits import MAX_TOKENS, SEED_MAX
 
 
 class ScenarioError(ValueError):
@@ -66,29 +70,59 @@ class Scenario:
 SECTIONS = {"workload": WorkloadSpec, "engine": EngineConfig, "faults": FaultSpec, "expect": Expectations}
 _CHOICES = {("workload", "arrival"): ("burst", "staggered"), ("faults", "trigger"): TRIGGERS,
             ("faults", "event"): EVENTS}
+# (section, field) -> (low, high), inclusive, for every number of a scenario (a range's two ends alike).
+# NOTE: sizes that depend on the machine (pages, KV budget) are bounded again by check_runnable.
+LIMITS = {
+    ("workload", "requests"): (1, 10_000), ("workload", "prompt_len"): (1, MAX_TOKENS),
+    ("workload", "output_len"): (1, MAX_TOKENS), ("workload", "concurrency"): (1, 1024),
+    ("workload", "shared_prefix_fraction"): (0.0, 1.0), ("workload", "shared_prefix_len"): (0, MAX_TOKENS),
+    ("workload", "arrivals_per_step"): (1, 10_000), ("workload", "temperature"): (0.0, 100.0),
+    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, 1000),
+    ("faults", "step"): (0, 1_000_000), ("faults", "p"): (0.0, 1.0),
+    ("expect", "max_false_positives"): (0, 10**9), ("expect", "max_corrupted_tokens_with_tracker"): (0, 10**9),
+    ("engine", "kv_residual_sink"): (0, MAX_TOKENS), ("engine", "kv_residual_window"): (1, MAX_TOKENS),
+    ("engine", "kv_budget_mb"): (2**-10, 2**30), ("engine", "num_pages"): (0, 2**31 - 1),
+    ("engine", "max_running"): (1, 1024), ("engine", "max_context"): (2, MAX_TOKENS),
+    ("engine", "seed"): (0, SEED_MAX), ("engine", "transfer_lag"): (1, 1000),
+}
+
+
+def check_number(where: str, value, low, high):
+    """``value`` if it is a number (an int where ``low`` is an int) in [low, high]; else ScenarioError."""
+    kind = "an integer" if isinstance(low, int) else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if isinstance(low, int) else (int, float)):
+        raise ScenarioError(f"{where} = {value!r} is not valid; it must be {kind} in {low}..{high}")
+    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+        raise ScenarioError(f"{where} = {value!r} is out of range; it must be {kind} in {low}..{high}")
+    return value
 
 
 def _coerce(section: str, f, value):
     where = f"[{section}].{f.name}"
     default = f.default if f.default is not MISSING else f.default_factory()
+    limits = LIMITS.get((section, f.name))
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ScenarioError(f"{where} must be true or false, got {value!r}")
+            raise ScenarioError(f"{where} = {value!r} is not valid; it must be true or false")
         return value
     if isinstance(default, tuple):
-        if not isinstance(value, list) or not all(isinstance(v, (int, str)) for v in value):
-            raise ScenarioError(f"{where} must be a list, got {value!r}")
-        if default and isinstance(default[0], int) and (len(value) != 2 or value[0] > value[1]):
-            raise ScenarioError(f"{where} must be a [low, high] range with low <= high, got {value!r}")
-        return tuple(value)
-    if isinstance(default, (int, float)) and not isinstance(default, bool):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ScenarioError(f"{where} must be a number, got {value!r}")
-        if isinstance(default, int) and not isinstance(value, int):
-            raise ScenarioError(f"{where} must be an integer, got {value!r}")
-        return value
+        if limits is None:  # a list of names ([faults].classes)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ScenarioError(f"{where} = {value!r} is not valid; it must be a list of strings")
+            return tuple(value)
+        if not isinstance(value, list) or len(value) != 2:
+            raise ScenarioError(f"{where} = {value!r} is not valid; it must be a [low, high] range of "
+                                f"integers in {limits[0]}..{limits[1]}")
+        low, high = (check_number(f"{where}[{i}]", v, *limits) for i, v in enumerate(value))
+        if low > high:
+            raise ScenarioError(f"{where} = {value!r} is not valid; it must be a [low, high] range with low <= high")
+        return (low, high)
+    if isinstance(default, (int, float)):
+        if limits is None:  # a number from a fixed set (engine.page_size): its dataclass checks the set
+            return check_number(where, value, -2**63, 2**63 - 1)
+        return check_number(where, value, *(limits if isinstance(default, int) else map(float, limits)))
     if not isinstance(value, str):
-        raise ScenarioError(f"{where} must be a string, got {value!r}")
+        raise ScenarioError(f"{where} = {value!r} is not valid; it must be a string")
     valid = _CHOICES.get((section, f.name))
     if valid and value not in valid:
         raise ScenarioError(f"{where} = {value!r} is not valid; choose one of {list(valid)}")
@@ -109,31 +143,42 @@ def _section(name: str, cls, table) -> object:
         raise ScenarioError(f"[{name}]: {err}") from None
 
 
-def _check_faults(spec: FaultSpec) -> None:
-    classes = list(spec.classes)
-    if classes == ["all"]:
-        return
-    bad = [c for c in classes if c not in FAULTS]
+def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") -> list[str]:
+    """``names`` (a scenario's or ``--faults``'s) as fault classes ``engine`` can host; ``all`` alone = every
+    one it can host. Unknown, repeated or unhostable names raise ScenarioError naming ``where``."""
+    names = list(names)
+    if names == ["all"]:
+        return available_faults(engine)
+    valid = f"valid: ['all' (alone), {', '.join(repr(n) for n in sorted(FAULTS))}]"
+    bad = [c for c in names if c not in FAULTS]
     if bad:
-        raise ScenarioError(f"[faults].classes has unknown fault(s) {bad}; valid: ['all', "
-                            f"{', '.join(repr(n) for n in sorted(FAULTS))}]")
-    if spec.seeds < 1 or spec.count < 1:
-        raise ScenarioError("[faults].seeds and [faults].count must be >= 1")
-
-
-def _check_requires(spec: FaultSpec, engine: EngineConfig) -> None:
-    """A fault class that needs an engine feature (``requires``) the scenario's engine lacks."""
-    missing = [c for c in spec.classes if c in FAULTS and not fault_available(FAULTS[c], engine)]
+        raise ScenarioError(f"{where} has unknown fault(s) {bad}; {valid}")
+    repeated = sorted({c for c in names if names.count(c) > 1})
+    if repeated:
+        raise ScenarioError(f"{where} lists {repeated} more than once; name each class once")
+    missing = [c for c in names if not fault_available(FAULTS[c], engine)]
     if missing:
         need = sorted({FAULTS[c].requires for c in missing})
-        raise ScenarioError(f"[faults].classes {missing} need [engine] {', '.join(f'{n} = true' for n in need)}")
+        fields_ = {f.name for f in fields(EngineConfig)}
+        how = [f"[engine] {n} = true" if n in fields_ else f"{n!r}, which scenarios cannot provide "
+               f"(run it with python -m faultlab.{n}_run)" for n in need]
+        raise ScenarioError(f"{where} {missing} cannot strike in this engine: they need {', '.join(how)}")
+    return names
 
 
-def _check_workload(w: WorkloadSpec) -> None:
-    if w.requests < 1 or w.concurrency < 1 or w.prompt_len[0] < 1 or w.output_len[0] < 1:
-        raise ScenarioError("[workload]: requests, concurrency, prompt_len and output_len must be >= 1")
-    if not 0.0 <= w.shared_prefix_fraction <= 1.0:
-        raise ScenarioError(f"[workload].shared_prefix_fraction must be in [0, 1], got {w.shared_prefix_fraction}")
+def check_trigger(spec: FaultSpec) -> None:
+    """Every trigger the seeds can draw is valid (the runner builds them case by case)."""
+    for step in spec.step:
+        try:
+            Trigger(mode=spec.trigger, step=step, event=spec.event, p=spec.p)
+        except ValueError as err:
+            raise ScenarioError(f"[faults]: {err}") from None
+
+
+def check_seed_range(first_seed: int, seeds: int, where: str = "[faults].first_seed + seeds") -> None:
+    if first_seed + seeds - 1 > SEED_MAX:
+        raise ScenarioError(f"{where} = {first_seed} + {seeds} runs past the last seed {SEED_MAX}; "
+                            f"seeds are 0..{SEED_MAX}")
 
 
 def parse(data: dict, path: str = "<memory>") -> Scenario:
@@ -141,22 +186,31 @@ def parse(data: dict, path: str = "<memory>") -> Scenario:
     unknown = sorted(set(data) - top)
     if unknown:
         raise ScenarioError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(top)}")
-    if not isinstance(data.get("name", ""), str) or not data.get("name"):
-        raise ScenarioError(f"{path}: 'name' (a non-empty string) is required")
+    if not isinstance(data.get("name"), str) or not data["name"].strip():
+        raise ScenarioError(f"{path}: 'name' = {data.get('name')!r} is not valid; a non-empty string is required")
+    if not isinstance(data.get("description", ""), str):
+        raise ScenarioError(f"{path}: 'description' = {data['description']!r} is not valid; it must be a string")
     parts = {k: _section(k, cls, data.get(k, {})) for k, cls in SECTIONS.items()}
-    _check_faults(parts["faults"])
-    _check_requires(parts["faults"], parts["engine"])
-    _check_workload(parts["workload"])
-    return Scenario(name=data["name"], description=str(data.get("description", "")), path=path, **parts)
+    faults = parts["faults"]
+    check_classes(faults.classes, parts["engine"])
+    check_trigger(faults)
+    check_seed_range(faults.first_seed, faults.seeds)
+    return Scenario(name=data["name"], description=data.get("description", ""), path=path, **parts)
 
 
 def load(path: str | Path) -> Scenario:
-    """Read and validate a scenario file."""
+    """Read and validate a scenario file (UTF-8 TOML)."""
     path = Path(path)
     if not path.is_file():
-        raise ScenarioError(f"scenario file {str(path)!r} does not exist")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ScenarioError(f"scenario file {str(path)!r} {what}; give a .toml file (see scenarios/)")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ScenarioError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); a scenario is a "
+                            f"UTF-8 TOML file") from None
+    except OSError as err:
+        raise ScenarioError(f"scenario file {str(path)!r} cannot be read: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise ScenarioError(f"{path}: not valid TOML: {err}") from None
     return parse(data, str(path))
@@ -174,6 +228,4 @@ def available_faults(engine: EngineConfig) -> list[str]:
 
 def fault_classes(scenario: Scenario) -> list[str]:
     """The fault names a scenario asks for (``["all"]`` = every available one)."""
-    if list(scenario.faults.classes) == ["all"]:
-        return available_faults(scenario.engine)
-    return list(scenario.faults.classes)
+    return check_classes(scenario.faults.classes, scenario.engine)

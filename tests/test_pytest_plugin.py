@@ -109,7 +109,9 @@ def test_failure_report_names_the_seed(pytester):
     pytester.makepyfile("def test_fails(faultlab_seed):\n    assert False\n")
     result = pytester.runpytest("--faultlab-seed=77")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*faultlab*", "seed=77; reproduce with --faultlab-seed=77"])
+    result.stdout.fnmatch_lines(["*faultlab*",
+                                 "seed=77; reproduce with: pytest 'test_failure_report_names_the_seed.py::test_fails' "
+                                 "--faultlab-seed=77"])
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_unknown_fault_fails_with_valid_names(pytester):
     result.stdout.fnmatch_lines([
         "*@pytest.mark.kvfault('no_such_fault'): unknown fault 'no_such_fault'; valid faults: *double_free*",
         "*@pytest.mark.kvfault('double_free'): trigger mode 'sometimes' is not valid*",
-        "*@pytest.mark.kvfault needs a fault name*",
+        "*@pytest.mark.kvfault needs one fault name*",
     ])
 
 

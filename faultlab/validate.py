@@ -1,0 +1,180 @@
+"""Checks that run before any work: what a scenario needs from this machine, output paths, CLI numbers.
+
+Each failure raises ``UsageError`` (a ValueError; the CLI exits 2) with one message naming the field or
+flag, the value and what is allowed. Nothing here writes a file.
+"""
+import os
+from pathlib import Path
+
+from .limits import MAX_TOKENS, SEED_MAX
+from .scenario import LIMITS, Scenario, ScenarioError, check_number
+
+DEVICES = ("cpu", "cuda", "cuda:N")
+MEMORY_SHARE = 2  # KV pages may take at most 1/MEMORY_SHARE of the device's memory
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+class UsageError(ValueError):
+    """Bad input from the command line (exit code 2)."""
+
+
+# -- numbers from the command line -----------------------------------------------------------------
+def check_flag(flag: str, value, low, high):
+    """A CLI number in [low, high] (None passes: the flag was not given)."""
+    if value is None:
+        return None
+    try:
+        return check_number(flag, value, low, high)
+    except ScenarioError as err:
+        raise UsageError(str(err)) from None
+
+
+def check_seeds(seeds, first_seed) -> None:
+    """``--seeds`` and ``--first-seed``: the same bounds as ``[faults].seeds`` / ``first_seed``."""
+    check_flag("--seeds", seeds, *LIMITS[("faults", "seeds")])
+    check_flag("--first-seed", first_seed, *LIMITS[("faults", "first_seed")])
+
+
+def max_jobs() -> int:
+    """Worker processes a run may fork: one per core of this machine."""
+    return os.cpu_count() or 1
+
+
+def check_jobs(jobs: int) -> int:
+    return check_flag("--jobs", jobs, 0, max_jobs())
+
+
+def check_tokens(flag: str, value: int, low: int = 1, high: int = MAX_TOKENS) -> int:
+    return check_flag(flag, value, low, high)
+
+
+# -- output paths ----------------------------------------------------------------------------------
+def check_output_file(flag: str, path, suffixes: tuple[str, ...] | None = None) -> Path | None:
+    """A file we may create or replace: not a directory, its folder creatable and writable."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path).strip() == "" or p.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is not valid; give a file path, not a directory")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise UsageError(f"{flag} {str(path)!r} is not valid; the file name must end in one of {list(suffixes)}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {str(path)!r} is not writable; give a path you may write")
+    _check_folder(flag, path, p.parent)
+    return p
+
+
+def check_output_dir(flag: str, path) -> Path:
+    """A folder we may create or write into."""
+    p = Path(path)
+    if str(path).strip() == "" or (p.exists() and not p.is_dir()):
+        raise UsageError(f"{flag} {str(path)!r} is not valid; give a folder (it is created if missing)")
+    _check_folder(flag, path, p)
+    return p
+
+
+def _check_folder(flag: str, path, folder: Path) -> None:
+    """``folder`` exists as a writable directory, or its nearest existing ancestor is one."""
+    folder = folder.resolve() if str(folder) else Path.cwd()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is not valid: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {str(path)!r} is not writable: no write permission in {str(existing)!r}")
+
+
+def check_report_paths(json_out, plot) -> tuple[Path | None, Path | None]:
+    """``--json`` and ``--plot`` (default: the JSON's path with .png); the two must differ."""
+    if plot is not None and json_out is None:
+        raise UsageError(f"--plot {plot!r} needs --json: the plot is drawn from the JSON report")
+    json_path = check_output_file("--json", json_out)
+    if json_path is None:
+        return None, None
+    plot_path = check_output_file("--plot", plot or json_path.with_suffix(".png"), PLOT_SUFFIXES)
+    if plot_path.resolve() == json_path.resolve():
+        raise UsageError(f"--plot {str(plot_path)!r} is the --json path; give the plot its own file")
+    return json_path, plot_path
+
+
+# -- what a scenario needs from this machine -------------------------------------------------------
+def check_device(where: str, device) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, with a CUDA device present for the latter two."""
+    import torch
+
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise UsageError(f"{where} = {device!r} is not valid; choose one of {list(DEVICES)}")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) >= count:
+            raise UsageError(f"{where} = {device!r} is not available: this machine has {count} CUDA device(s)")
+    return device
+
+
+def check_model(where: str, name: str):
+    """The ModelConfig of preset ``name`` (its package installed, for smollm2)."""
+    from .engine.config import PRESETS, get_preset
+
+    if name not in PRESETS:
+        raise UsageError(f"{where} = {name!r} is not valid; choose one of {sorted(PRESETS)}")
+    try:
+        return get_preset(name)
+    except ValueError as err:  # smollm2 without its GGUF package
+        raise UsageError(f"{where} = {name!r} is not available here: {err}") from None
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory of ``device`` (host RAM for cpu)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_runnable(scenario: Scenario) -> None:
+    """What a scenario needs from this machine: its device, its model, KV memory, and a context and a
+    pool that every request of its workload fits. Raises UsageError."""
+    from .engine.kvcache import PagedKVCache, ResidualLayout, token_bytes
+
+    e, w = scenario.engine, scenario.workload
+    check_device("[engine].device", e.device)
+    mc = check_model("[engine].model", e.model)
+    memory = device_memory(e.device)
+    page_bytes = e.page_size * token_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, e.kv_dtype)
+    most = PagedKVCache.pages_for_budget(memory // MEMORY_SHARE, mc.n_layers, e.page_size, mc.n_kv_heads,
+                                         mc.head_dim, e.kv_dtype)
+    gib = f"{memory / 2**30:.1f} GiB"
+    if e.num_pages > most:
+        raise UsageError(f"[engine].num_pages = {e.num_pages} is too large for this machine: {e.page_size}-token "
+                         f"pages of {page_bytes} bytes; its {e.device} memory ({gib}) holds at most {most} "
+                         f"(1/{MEMORY_SHARE} of it)")
+    if e.kv_budget_mb * 2**20 > memory // MEMORY_SHARE:
+        raise UsageError(f"[engine].kv_budget_mb = {e.kv_budget_mb} is too large for this machine: at most "
+                         f"{memory // MEMORY_SHARE // 2**20} MiB (1/{MEMORY_SHARE} of its {e.device} memory, {gib})")
+    # NOTE: the same sizing as Engine.__init__ (pool pages from the budget, less the residual's share).
+    pages = e.num_pages
+    if not pages:
+        residual = None
+        if e.kv_residual:
+            residual = ResidualLayout.of(w.concurrency, e.page_size, e.kv_residual_sink, e.kv_residual_window)
+        budget = int(e.kv_budget_mb * 2**20) - PagedKVCache.residual_bytes(residual, mc.n_layers, mc.n_kv_heads,
+                                                                          mc.head_dim)
+        try:
+            pages = PagedKVCache.pages_for_budget(budget, mc.n_layers, e.page_size, mc.n_kv_heads, mc.head_dim,
+                                                  e.kv_dtype)
+        except ValueError as err:
+            raise UsageError(f"[engine].kv_budget_mb = {e.kv_budget_mb} is too small: {err}") from None
+    context = min(e.max_context, mc.max_context)
+    longest = (w.shared_prefix_len if w.shared_prefix_fraction > 0 else 0) + w.prompt_len[1] + w.output_len[1]
+    fit = min(-(-context // e.page_size), pages) * e.page_size
+    if longest > fit:
+        raise UsageError(f"[workload] requests of up to {longest} tokens (shared_prefix_len + prompt_len[1] + "
+                         f"output_len[1]) do not fit: at most {fit} tokens (context {context} tokens of model "
+                         f"{e.model!r} and [engine].max_context, pool {pages} pages of {e.page_size})")
+
+
+def check_seed(flag: str, seed) -> int:
+    return check_flag(flag, seed, 0, SEED_MAX)
