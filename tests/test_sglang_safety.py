@@ -285,3 +285,18 @@ def test_allocator_subclass_is_covered_and_others_refused(make_rig):
     with pytest.raises(KVGuardStartupError, match="Other.*not covered"):
         install(rig.req_to_token_pool, Other(), None, registry=registry)
     assert metrics_for(registry).uncovered._value.get() == 1
+
+
+def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig):
+    from kvguard.sglang.plugin import _flagged
+
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    running = _running(rig, 20, 20)
+    a, b = running.reqs
+    rig.row(a)[3] = rig.pages_of(b)[0] * 16 + 3  # broken before the mixed step's prepare_for_decode
+    rig.decode(running)
+    new = rig.prefill(9)
+    new.mix_with_running(running)
+    flagged = _flagged(new)[1]
+    assert [item[0].rid for item in flagged] == [a.rid]

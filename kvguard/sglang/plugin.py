@@ -18,6 +18,8 @@ target                                                             type    what 
 ``managers.schedule_batch.ScheduleBatch.prepare_for_decode``       AFTER   check the decode batch, guard
                                                                            its write slots
 ``managers.schedule_batch.ScheduleBatch.copy``                     AFTER   carry the check (overlap)
+``managers.schedule_batch.ScheduleBatch.mix_with_running``         AFTER   carry the decode part's check
+                                                                           into a mixed batch
 ``SchedulerBatchResultProcessor.process_batch_result_prefill``     AROUND  read verdict, discard flagged
 ``SchedulerBatchResultProcessor.process_batch_result_decode``      AROUND  read verdict, abort flagged
 ``SchedulerBatchResultProcessor._handle_finish_state_updated_req`` AROUND  skip already-aborted
@@ -56,6 +58,7 @@ TARGETS = {
     "prepare_for_extend": f"{_BATCH}.prepare_for_extend",
     "prepare_for_decode": f"{_BATCH}.prepare_for_decode",
     "batch_copy": f"{_BATCH}.copy",
+    "mix_with_running": f"{_BATCH}.mix_with_running",
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
     "process_batch_result_decode": f"{_PROCESSOR}.process_batch_result_decode",
     "handle_finish": f"{_PROCESSOR}._handle_finish_state_updated_req",
@@ -117,6 +120,7 @@ def register(env: Mapping[str, str] | None = None) -> bool:
         ("prepare_for_extend", _after_prepare_for_extend, after),
         ("prepare_for_decode", _after_prepare_for_decode, after),
         ("batch_copy", _after_batch_copy, after),
+        ("mix_with_running", _after_mix_with_running, after),
         ("process_batch_result_prefill", _around_process_batch_result_prefill, around),
         ("process_batch_result_decode", _around_process_batch_result_decode, around),
         ("handle_finish", _around_handle_finish, around),
@@ -272,21 +276,38 @@ def _after_prepare_for_decode(result, batch, *args, **kwargs):
     return None
 
 
+_PENDING = ("_kvguard", "_kvguard_mixed")  # the batch's own check; a mixed batch's decode-part check
+
+
 def _after_batch_copy(copy, batch, *args, **kwargs):
-    pending = batch.__dict__.get("_kvguard")
+    for name in _PENDING:
+        pending = batch.__dict__.get(name)
+        if pending is not None:
+            setattr(copy, name, pending)
+    return None
+
+
+def _after_mix_with_running(result, batch, running_batch, *args, **kwargs):
+    # Mixed chunked prefill: the running requests were checked (and their write slots guarded) by their
+    # own prepare_for_decode; their verdict now travels with the mixed batch, whose result the prefill
+    # path processes.
+    pending = running_batch.__dict__.pop("_kvguard", None)
     if pending is not None:
-        copy._kvguard = pending
+        batch._kvguard_mixed = pending
     return None
 
 
 def _flagged(batch):
-    """Resolve the check launched for this batch (if any): flagged (req, message, stale) still in it."""
-    pending = batch.__dict__.pop("_kvguard", None)
-    if pending is None:
-        return None, []
-    flagged = pending.guard.resolve(pending, _attn_tp_cpu_group())
+    """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it."""
+    guard, flagged = None, []
     in_batch = {id(req) for req in batch.reqs}
-    return pending.guard, [item for item in flagged if id(item[0]) in in_batch]
+    for name in _PENDING:
+        pending = batch.__dict__.pop(name, None)
+        if pending is None:
+            continue
+        guard = pending.guard
+        flagged += [item for item in guard.resolve(pending, _attn_tp_cpu_group()) if id(item[0]) in in_batch]
+    return guard, flagged
 
 
 def _around_process_batch_result_prefill(original, processor, batch, result, *args, **kwargs):
