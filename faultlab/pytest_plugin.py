@@ -238,8 +238,10 @@ def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
             raise ValueError(f"require_strike={require!r} is not valid; it must be True or False")
         trigger = make_trigger(kwargs.pop("trigger", "step"), **kwargs)
     except (ValueError, TypeError) as err:  # UnknownFault is a ValueError
-        pytest.fail(f"@pytest.mark.kvfault({name!r}): {err}", pytrace=False)
-    return KVFault(name, seed, trigger, count, require)
+        problem = str(err)
+    else:
+        return KVFault(name, seed, trigger, count, require)
+    pytest.fail(f"@pytest.mark.kvfault({name!r}): {problem}", pytrace=False)  # outside `except`: no chain
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

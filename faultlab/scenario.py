@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from .engine.engine import ConfigError, EngineConfig
-from .faults.catalog import FAULTS
+from .faults.catalog import FAULTS, SUITES
 from .faults.injector import EVENTS, TRIGGERS, Trigger
 from .limits import MAX_TOKENS, SEED_MAX
 
@@ -44,6 +44,7 @@ class FaultSpec:
     step: tuple[int, int] = (2, 8)
     event: str = "alloc"
     p: float = 0.1
+    suite: str = "catalog"  # the registry part `all` and `faultlab matrix` draw from (catalog.SUITES)
 
     def trigger_for(self, rng) -> Trigger:
         return Trigger(mode=self.trigger, step=rng.randint(*self.step), event=self.event, p=self.p)
@@ -69,7 +70,7 @@ class Scenario:
 
 SECTIONS = {"workload": WorkloadSpec, "engine": EngineConfig, "faults": FaultSpec, "expect": Expectations}
 _CHOICES = {("workload", "arrival"): ("burst", "staggered"), ("faults", "trigger"): TRIGGERS,
-            ("faults", "event"): EVENTS}
+            ("faults", "event"): EVENTS, ("faults", "suite"): SUITES}
 # (section, field) -> (low, high), inclusive, for every number of a scenario (a range's two ends alike).
 # NOTE: sizes that depend on the machine (pages, KV budget) are bounded again by check_runnable.
 LIMITS = {
@@ -143,6 +144,9 @@ def _section(name: str, cls, table) -> object:
         raise ScenarioError(f"[{name}]: {err}") from None
 
 
+RUNNERS = {"tp": "python -m faultlab.tp_run"}  # fault requirements met outside scenarios, and where
+
+
 def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") -> list[str]:
     """``names`` (a scenario's or ``--faults``'s) as fault classes ``engine`` can host; ``all`` alone = every
     one it can host. Unknown, repeated or unhostable names raise ScenarioError naming ``where``."""
@@ -160,8 +164,8 @@ def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") 
     if missing:
         need = sorted({FAULTS[c].requires for c in missing})
         fields_ = {f.name for f in fields(EngineConfig)}
-        how = [f"[engine] {n} = true" if n in fields_ else f"{n!r}, which scenarios cannot provide "
-               f"(run it with python -m faultlab.{n}_run)" for n in need]
+        how = [f"[engine] {n} = true" if n in fields_ else f"{n!r}, which no scenario engine provides"
+               + (f" (run it with {RUNNERS[n]})" if n in RUNNERS else "") for n in need]
         raise ScenarioError(f"{where} {missing} cannot strike in this engine: they need {', '.join(how)}")
     return names
 
@@ -221,9 +225,9 @@ def fault_available(cls, engine: EngineConfig) -> bool:
     return cls.requires is None or bool(getattr(engine, cls.requires, False))
 
 
-def available_faults(engine: EngineConfig) -> list[str]:
-    """Every registered fault the engine can host, in catalog order."""
-    return [n for n, cls in FAULTS.items() if fault_available(cls, engine)]
+def available_faults(engine: EngineConfig, suite: str = "catalog") -> list[str]:
+    """Every registered fault of ``suite`` the engine can host, in catalog order."""
+    return [n for n, cls in FAULTS.items() if cls.suite == suite and fault_available(cls, engine)]
 
 
 def fault_classes(scenario: Scenario) -> list[str]:

@@ -240,3 +240,133 @@ def test_marker_fault(chaos_runner):
     assert result.victims_aborted == result.victims >= 1 and result.nonvictim_mismatches == 0
 """)
     pytester.runpytest("--faultlab-seed=5").assert_outcomes(passed=2)
+
+
+# -- misuse (issue 15) -----------------------------------------------------------------------------
+def test_no_seed_file_in_projects_without_faultlab(pytester):
+    pytester.makepyfile("def test_plain():\n    assert 1 + 1 == 2\n")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert not (pytester.path / ".faultlab-seed").exists()
+    pytester.makepyfile(SEED_TEST)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert (pytester.path / ".faultlab-seed").is_file(), "a project that uses faultlab keeps its seed"
+
+
+def test_bad_marker_arguments_fail_cleanly(pytester):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kvfault("double_free", seed="abc")
+        def test_seed_text():
+            pass
+
+        @pytest.mark.kvfault("double_free", seed=2**40)
+        def test_seed_huge():
+            pass
+
+        @pytest.mark.kvfault("double_free", count=0)
+        def test_count_zero():
+            pass
+
+        @pytest.mark.kvfault("double_free", cuont=2)
+        def test_typo():
+            pass
+
+        @pytest.mark.kvfault("double_free", p=float("nan"), trigger="prob")
+        def test_nan_p():
+            pass
+
+        @pytest.mark.kvfault("double_free", require_strike="yes")
+        def test_require_text():
+            pass
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=6)
+    result.stdout.fnmatch_lines([
+        "*@pytest.mark.kvfault('double_free'): seed='abc' is not valid; it must be an integer in 0..4294967295",
+        "*@pytest.mark.kvfault('double_free'): seed=1099511627776 is not valid*",
+        "*@pytest.mark.kvfault('double_free'): count=0 is not valid; it must be an integer in 1..1000",
+        "*@pytest.mark.kvfault('double_free'): unknown argument(s) *cuont*; valid: *seed*require_strike*",
+        "*@pytest.mark.kvfault('double_free'): trigger needs 0 <= p <= 1*",
+        "*@pytest.mark.kvfault('double_free'): require_strike='yes' is not valid*",
+    ])
+    assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
+
+
+def test_marker_seed_reaches_chaos_runner_and_strikes_are_required(pytester, engine_modules):
+    pytester.makepyfile(f"""
+import pytest
+
+SCENARIO = {SCENARIO!r}
+
+@pytest.mark.kvfault("premature_free", step=1, seed=11)
+def test_marker_seed(chaos_runner, faultlab_seed):
+    result = chaos_runner(SCENARIO)
+    assert faultlab_seed == 5 and result.seed == 11 and result.injected == 1
+
+@pytest.mark.kvfault("premature_free", step=500)
+def test_never_struck(chaos_runner):
+    chaos_runner(SCENARIO)
+
+@pytest.mark.kvfault("premature_free", step=500, require_strike=False)
+def test_never_struck_allowed(chaos_runner):
+    assert chaos_runner(SCENARIO).injected == 0
+
+@pytest.mark.kvfault("transfer_into_reallocated")
+def test_unhostable_chaos(chaos_runner):
+    chaos_runner(SCENARIO)
+
+@pytest.mark.kvfault("transfer_into_reallocated")
+def test_unhostable_engine(kv_engine):
+    kv_engine(weight_dtype="fp32", num_pages=8)
+""")
+    result = pytester.runpytest("--faultlab-seed=5")
+    result.assert_outcomes(passed=2, failed=3)
+    result.stdout.fnmatch_lines([
+        "*chaos_runner: fault 'premature_free' never struck (seed=5)*",
+        "*transfer_into_reallocated*cannot strike in this engine*phase_split*",
+        "*kvfault 'transfer_into_reallocated' cannot strike in this engine: it needs 'phase_split'*",
+    ])
+
+
+def test_kv_engine_fault_that_never_strikes_fails_at_teardown(pytester, engine_modules):
+    pytester.makepyfile(ENGINE_HELPERS + """
+import pytest
+
+@pytest.mark.kvfault("premature_free", step=500)
+def test_too_late(kv_engine):
+    run_three(small_engine(kv_engine))
+""")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*kvfault 'premature_free' never struck (seed=*, trigger=*): the test tested nothing*"])
+
+
+def test_failure_report_names_fault_seed_victims_and_command(pytester, engine_modules):
+    pytester.makepyfile(ENGINE_HELPERS + f"""
+import pytest
+
+SCENARIO = {SCENARIO!r}
+
+@pytest.mark.kvfault("premature_free", step=2, seed=4)
+def test_engine_fails(kv_engine, kvfault):
+    run_three(small_engine(kv_engine))
+    assert not kvfault.injected
+
+@pytest.mark.kvfault("premature_free", step=1, seed=3)
+def test_chaos_fails(chaos_runner):
+    assert chaos_runner(SCENARIO).victims == 0
+""")
+    result = pytester.runpytest("--faultlab-seed=9")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*- faultlab -*",
+        "fault=premature_free seed=4 trigger=Trigger(mode='step', step=2*",
+        "strikes=[[]{'fault': 'premature_free', 'step': *",
+        "seed=9; reproduce with: pytest 'test_failure_report_names_fault_seed_victims_and_command.py::test_engine_fails' "
+        "--faultlab-seed=9",
+        "*- faultlab -*",
+        "fault=premature_free seed=3 *",
+        "chaos_runner: fault=premature_free seed=3 tracker=on injected=1 victims=* victims_aborted=*",
+        "seed=9; reproduce with: pytest *::test_chaos_fails' --faultlab-seed=9",
+    ])
