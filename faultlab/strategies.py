@@ -78,8 +78,15 @@ class AllocatorModel:
     """Reference truth (owners and per-page share counts) driving an adapter, checking it each step."""
 
     def __init__(self, adapter: AllocatorAdapter):
+        missing = [m for m in ("alloc", "free", "available") if not callable(getattr(adapter, m, None))]
+        if missing:
+            raise TypeError(f"allocator adapter {type(adapter).__name__} lacks {missing}; it needs alloc(n), "
+                            f"free(pages) and available() (see AllocatorAdapter)")
         self.adapter = adapter
         self.total = adapter.available()  # a fresh allocator: every page is free
+        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
+            raise ValueError(f"allocator adapter {type(adapter).__name__}: available() = {self.total!r} on a "
+                             f"fresh allocator; it must be an int >= 1 (every page free)")
         self.refs: dict[int, int] = {}  # page -> number of owners
         self.owners: dict[int, list[int]] = {}  # owner id -> its pages, in logical order
         self._next_owner = 0
@@ -299,4 +306,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
 def allocator_machine(adapter_factory: Callable[[], AllocatorAdapter],
                       name: str = "UserAllocatorMachine") -> type[AllocatorStateMachine]:
     """An :class:`AllocatorStateMachine` subclass driving adapters made by ``adapter_factory``."""
+    if not callable(adapter_factory):
+        raise TypeError(f"adapter_factory must be a zero-argument callable returning a fresh adapter, got "
+                        f"{adapter_factory!r}")
     return type(name, (AllocatorStateMachine,), {"adapter_factory": staticmethod(adapter_factory)})

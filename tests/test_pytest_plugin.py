@@ -370,3 +370,47 @@ def test_chaos_fails(chaos_runner):
         "chaos_runner: fault=premature_free seed=3 tracker=on injected=1 victims=* victims_aborted=*",
         "seed=9; reproduce with: pytest *::test_chaos_fails' --faultlab-seed=9",
     ])
+
+
+# -- the README's examples run as written -------------------------------------------------------------
+def readme_example(section: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return body.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_plugin_example(pytester, engine_modules):
+    pytester.makepyfile(readme_example("pytest plugin"))
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_readme_allocator_example_and_misuse(pytester):
+    example = readme_example("Your own allocator under the Hypothesis machine")
+    buggy = example.replace("        self.free_list[:0] = pages\n",
+                            "        self.free_list[:0] = pages + pages[:1]  # a double free\n")
+    assert buggy != example
+    pytester.makepyfile(test_ok=example, test_buggy=buggy, test_misuse="""
+import pytest
+from faultlab.strategies import AllocatorModel, allocator_machine
+
+class NoFree:
+    def alloc(self, n): return []
+    def available(self): return 4
+
+class Empty(NoFree):
+    def free(self, pages): pass
+    def available(self): return 0
+
+def test_misuse():
+    with pytest.raises(TypeError, match=r"NoFree lacks \\['free'\\]"):
+        AllocatorModel(NoFree())
+    with pytest.raises(ValueError, match=r"available\\(\\) = 0 on a fresh allocator"):
+        AllocatorModel(Empty())
+    with pytest.raises(TypeError, match="zero-argument callable"):
+        allocator_machine(NoFree())
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*AllocatorInvariantError*"])
