@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.testing
 
-from kvguard.kernels.int4_gemm import int4_linear, int4_linear_ref, quantize_int4
-from kvguard.kernels.kv_store import store_kv, store_kv_ref
-from kvguard.kernels.paged_attention import paged_decode_attention_ref
-from kvguard.kernels.testing import rel_error
+from faultlab.engine.kernels.int4_gemm import int4_linear, int4_linear_ref, quantize_int4
+from faultlab.engine.kernels.kv_store import store_kv, store_kv_ref
+from faultlab.engine.kernels.paged_attention import paged_decode_attention_ref
+from faultlab.engine.kernels.testing import rel_error
 
 FP8 = torch.float8_e4m3fn
 SUITES = ("int4", "attention", "store")
@@ -97,7 +97,7 @@ ATTN_SWEEP = [  # (mode, block_n, num_warps, num_stages)
 
 
 def _int4_case(rows, params, x, w, ref, rep_ms, w_bytes, io_bytes, flops, op, **kw):
-    from kvguard.kernels.int4_gemm import _int4_linear
+    from faultlab.engine.kernels.int4_gemm import _int4_linear
     try:
         err = rel_error(_int4_linear(x, *w, **kw), ref)
         ms = _time_ms(lambda: _int4_linear(x, *w, **kw), rep_ms)
@@ -177,7 +177,7 @@ def bench_attention(device, rep_ms: int, quick: bool, sweep: bool = False) -> li
 
     ``paged_decode_attention_old``: the heads-in-MMA-rows kernel with the settings used before;
     with ``sweep``, also each candidate (mode, block_n, num_warps, num_stages) (op ``attention_sweep``)."""
-    from kvguard.kernels.paged_attention import BLOCK_N, BLOCK_N_FP8, _auto_splits, _paged_decode
+    from faultlab.engine.kernels.paged_attention import BLOCK_N, BLOCK_N_FP8, _auto_splits, _paged_decode
     rows = []
     n_heads, n_kv, head_dim, page_size, context = 32, 8, 128, 16, 8192
     for batch in ((1, 8) if quick else (1, 8, 64)):

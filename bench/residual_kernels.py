@@ -22,8 +22,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from faultlab.engine.kvcache import ResidualLayout  # noqa: E402
-from kvguard.kernels.kv_store import store_kv  # noqa: E402
-from kvguard.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from faultlab.engine.kernels.kv_store import store_kv  # noqa: E402
+from faultlab.engine.kernels.paged_attention import paged_decode_attention  # noqa: E402
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import torch
 from faultlab.chaos import checking_tracker
 from faultlab.engine.cuda_graphs import GraphedDecode, bucket
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
-from kvguard.kernels.testing import assert_close
+from faultlab.engine.kernels.testing import assert_close
 from workloads import clean_outputs, random_requests
 
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=6,

@@ -7,10 +7,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvguard.kernels.int4_gemm import (  # noqa: E402
+from faultlab.engine.kernels.int4_gemm import (  # noqa: E402
     _int4_linear, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, quantize_int4, unpack_int4,
 )
-from kvguard.kernels.testing import assert_close, assert_equal, generator, randn  # noqa: E402
+from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

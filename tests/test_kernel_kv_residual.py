@@ -12,11 +12,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvguard.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref  # noqa: E402
-from kvguard.kernels.paged_attention import (  # noqa: E402
+from faultlab.engine.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref  # noqa: E402
+from faultlab.engine.kernels.paged_attention import (  # noqa: E402
     _paged_decode, paged_decode_attention, paged_decode_attention_ref,
 )
-from kvguard.kernels.testing import assert_close, assert_equal, generator, randn, rel_error  # noqa: E402
+from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn, rel_error  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

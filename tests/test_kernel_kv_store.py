@@ -6,8 +6,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvguard.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
-from kvguard.kernels.testing import assert_equal, generator, randn  # noqa: E402
+from faultlab.engine.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from faultlab.engine.kernels.testing import assert_equal, generator, randn  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

@@ -93,7 +93,7 @@ def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
 
 
 def test_residual_scale_is_the_kernels():
-    from kvguard.kernels.kv_store import RES_SCALE
+    from faultlab.engine.kernels.kv_store import RES_SCALE
 
     assert RES_SCALE == RESIDUAL_SCALE
 

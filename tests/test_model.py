@@ -11,7 +11,7 @@ from faultlab.engine.config import get_preset  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.engine.model import LlamaModel  # noqa: E402
 from faultlab.engine.weights import random_weights  # noqa: E402
-from kvguard.kernels.testing import assert_close  # noqa: E402
+from faultlab.engine.kernels.testing import assert_close  # noqa: E402
 
 PAGE = 4  # small pages, so short sequences cross page boundaries
 
@@ -136,8 +136,8 @@ def test_real_model_says_paris():
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
 def test_torch_cache_ops_match_kernel_references(kv_dtype):
     from faultlab.engine.kvcache import batched_decode_attention
-    from kvguard.kernels.kv_store import store_kv_ref
-    from kvguard.kernels.paged_attention import paged_decode_attention_ref
+    from faultlab.engine.kernels.kv_store import store_kv_ref
+    from faultlab.engine.kernels.paged_attention import paged_decode_attention_ref
 
     gen = torch.Generator().manual_seed(5)
     kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.3, v_scale=2.0, rotate_k=False)

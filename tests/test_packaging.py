@@ -109,6 +109,17 @@ def imported():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_kvguard_ships_only_its_own_kernel():
+    """kvguard/ is the production tracker: its one kernel is the check; the engine owns the others."""
+    assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "tag_check.py"]
+
+
+def test_kvguard_sources_never_import_pytest_or_hypothesis():
+    for path in sorted((REPO / "kvguard").rglob("*.py")):
+        bad = [m for level, m in imports_of(path) if level == 0 and top(m) in ("pytest", "hypothesis")]
+        assert bad == [], f"{path.relative_to(REPO)} imports {bad}"
+
+
 def test_kvguard_kernels_tag_check_imports(imported):
     assert Path(imported["tag_check"]).resolve() == (KERNELS / "tag_check.py").resolve()
     assert imported["has"] == [True, True] and imported["verdict"] == 0
@@ -146,10 +157,14 @@ def top(name: str) -> str:
     return name.split(".")[0]
 
 
-@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+ENGINE_KERNELS = REPO / "faultlab" / "engine" / "kernels"
+
+
+@pytest.mark.parametrize("path", sorted([*KERNELS.glob("*.py"), *ENGINE_KERNELS.glob("*.py")]),
+                         ids=lambda p: str(p.relative_to(REPO)))
 def test_kernel_sources_import_neither_kvguard_nor_faultlab(path):
     for level, module in imports_of(path):
-        assert level <= 1, f"{path.name}: relative import escapes kvguard.kernels ({'.' * level}{module})"
+        assert level <= 1, f"{path.name}: relative import escapes its kernels package ({'.' * level}{module})"
         if level == 0:
             assert top(module) not in ("kvguard", "faultlab", "kernels"), f"{path.name} imports {module}"
 

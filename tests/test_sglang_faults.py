@@ -8,7 +8,6 @@ hooks launch from prepare_for_decode; the abort is SGLang's per-request path.
 import pytest
 import torch
 
-from kvguard.sglang.testing import check_hooks, make_rig, rig_ps, sglang_loader  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.sglang
 

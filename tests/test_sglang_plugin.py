@@ -7,7 +7,6 @@ runs with the hooks that loader applied.
 """
 import pytest
 
-from kvguard.sglang.testing import check_hooks, make_rig, rig_ps, sglang_loader  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.sglang
 

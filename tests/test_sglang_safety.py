@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from kvguard.sglang.testing import check_hooks, make_rig, rig_ps, sglang_loader  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.sglang
 

@@ -11,7 +11,7 @@ from faultlab.scenario import available_faults
 from faultlab.engine.engine import EngineConfig
 from faultlab.tp_run import RunSpec, judge, launch, main, resolve_backend
 from kvguard.distributed import combine_verdict
-from kvguard.kernels.int4_gemm import quantize_int4
+from faultlab.engine.kernels.int4_gemm import quantize_int4
 
 SPEC = RunSpec(fault="rank_divergent_entry", seeds=(0, 1), collective_timeout_s=30.0)
 

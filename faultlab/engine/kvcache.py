@@ -11,15 +11,15 @@ KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_
 BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; kvguard.kernels.kv_store.RES_SCALE
+RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; faultlab.engine.kernels.kv_store.RES_SCALE
 RESIDUAL_SINK, RESIDUAL_WINDOW = 16, 128  # default tokens with a residual: first (sink), most recent
 
 
 def _kernel(module: str, name: str):
-    """A Triton launcher of `kvguard.kernels.<module>`."""
+    """A Triton launcher of `faultlab.engine.kernels.<module>`."""
     import importlib
 
-    return getattr(importlib.import_module(f"kvguard.kernels.{module}"), name)
+    return getattr(importlib.import_module(f"faultlab.engine.kernels.{module}"), name)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class LlamaModel:
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         """y [M, N] = x [M, K] @ W.T in the activation dtype."""
         if isinstance(w, Int4Weight):
-            from kvguard.kernels.int4_gemm import int4_linear
+            from faultlab.engine.kernels.int4_gemm import int4_linear
 
             return int4_linear(x, w.qweight, w.scales, w.mins, w.group_size).to(self.act_dtype)
         return F.linear(x.to(w.dtype), w).to(self.act_dtype)

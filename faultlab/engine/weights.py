@@ -36,7 +36,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K] (the kernels' `dequantize_int4`)."""
-        from kvguard.kernels.int4_gemm import dequantize_int4
+        from faultlab.engine.kernels.int4_gemm import dequantize_int4
 
         return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
 

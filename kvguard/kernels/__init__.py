@@ -1,6 +1,7 @@
-"""Triton kernels of kvguard, each beside its torch reference (``<op>`` and ``<op>_ref``).
+"""kvguard's one Triton kernel, the batched validation pass (``tag_check``), beside its torch reference.
 
-They live inside the ``kvguard`` package on purpose: there is no top-level ``kernels`` folder, so a bare
+It lives inside the ``kvguard`` package on purpose: there is no top-level ``kernels`` folder, so a bare
 ``import kernels`` never finds this repository (SGLang and transformers import the PyPI package
-``kernels``). Modules here import only torch, triton and each other.
+``kernels``). Modules here import only torch and triton. The engine's kernels (INT4 GEMM, FP8 KV store,
+paged attention) belong to faultlab's engine: ``faultlab.engine.kernels``.
 """
