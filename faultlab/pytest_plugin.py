@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.limits import SEED_MAX
+from faultlab.limits import COUNT_MAX, SEED_MAX
 
 SEED_OPTION = "--faultlab-seed"
 SEED_CACHE_KEY = "faultlab/seed"
@@ -232,7 +232,7 @@ def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
         get_fault(name)
         seed = kwargs.pop("seed", None)
         seed = default_seed if seed is None else _int_arg("seed", seed, 0, SEED_MAX)
-        count = _int_arg("count", kwargs.pop("count", 1), 1, 1000)
+        count = _int_arg("count", kwargs.pop("count", 1), 1, COUNT_MAX)
         require = kwargs.pop("require_strike", True)
         if not isinstance(require, bool):
             raise ValueError(f"require_strike={require!r} is not valid; it must be True or False")
@@ -353,13 +353,14 @@ def kv_injector(faultlab_seed: int):
     """Factory: ``kv_injector(fault, trigger="step", seed=None, count=1, step=3, event=..., p=...)``.
 
     Returns an Injector (seed defaults to the session seed); pass it to ``kv_engine(observers=[...])``.
-    An unknown fault name raises ``UnknownFault`` listing the valid names.
+    An unknown fault name raises ``UnknownFault`` listing the valid names; a bad seed, count or trigger
+    raises ValueError naming it.
     """
     def make(fault: str, trigger="step", seed: int | None = None, count: int = 1, **trigger_kwargs):
         from faultlab.faults.injector import Injector
 
-        seed = faultlab_seed if seed is None else seed
-        return Injector(fault, make_trigger(trigger, **trigger_kwargs), count, seed)
+        seed = faultlab_seed if seed is None else _int_arg("seed", seed, 0, SEED_MAX)
+        return Injector(fault, make_trigger(trigger, **trigger_kwargs), _int_arg("count", count, 1, COUNT_MAX), seed)
 
     return make
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from .engine.engine import ConfigError, EngineConfig
 from .faults.catalog import FAULTS, SUITES
 from .faults.injector import EVENTS, TRIGGERS, Trigger
-from .limits import MAX_TOKENS, SEED_MAX
+from .limits import COUNT_MAX, MAX_TOKENS, SEED_MAX
 
 
 class ScenarioError(ValueError):
@@ -78,7 +78,7 @@ LIMITS = {
     ("workload", "output_len"): (1, MAX_TOKENS), ("workload", "concurrency"): (1, 1024),
     ("workload", "shared_prefix_fraction"): (0.0, 1.0), ("workload", "shared_prefix_len"): (0, MAX_TOKENS),
     ("workload", "arrivals_per_step"): (1, 10_000), ("workload", "temperature"): (0.0, 100.0),
-    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, 1000),
+    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, COUNT_MAX),
     ("faults", "step"): (0, 1_000_000), ("faults", "p"): (0.0, 1.0),
     ("expect", "max_false_positives"): (0, 10**9), ("expect", "max_corrupted_tokens_with_tracker"): (0, 10**9),
     ("engine", "kv_residual_sink"): (0, MAX_TOKENS), ("engine", "kv_residual_window"): (1, MAX_TOKENS),

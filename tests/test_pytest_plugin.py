@@ -109,9 +109,8 @@ def test_failure_report_names_the_seed(pytester):
     pytester.makepyfile("def test_fails(faultlab_seed):\n    assert False\n")
     result = pytester.runpytest("--faultlab-seed=77")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*faultlab*",
-                                 "seed=77; reproduce with: pytest 'test_failure_report_names_the_seed.py::test_fails' "
-                                 "--faultlab-seed=77"])
+    command = "pytest 'test_failure_report_names_the_seed.py::test_fails' --faultlab-seed=77"
+    result.stdout.fnmatch_lines(["*faultlab*", f"seed=77; reproduce with: {command}"])
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -149,6 +148,10 @@ def test_tracker_and_injector_fixtures(pytester):
         def test_injector_unknown(kv_injector):
             with pytest.raises(UnknownFault, match="valid faults: .*double_free"):
                 kv_injector("no_such_fault")
+            with pytest.raises(ValueError, match="seed='abc' is not valid"):
+                kv_injector("leak", seed="abc")
+            with pytest.raises(ValueError, match="count=0 is not valid"):
+                kv_injector("leak", count=0)
 
         def test_no_marker_no_fault(kvfault):
             assert kvfault is None
@@ -339,7 +342,8 @@ def test_too_late(kv_engine):
 """)
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*kvfault 'premature_free' never struck (seed=*, trigger=*): the test tested nothing*"])
+    result.stdout.fnmatch_lines(
+        ["*kvfault 'premature_free' never struck (seed=*, trigger=*): the test tested nothing*"])
 
 
 def test_failure_report_names_fault_seed_victims_and_command(pytester, engine_modules):
@@ -363,8 +367,7 @@ def test_chaos_fails(chaos_runner):
         "*- faultlab -*",
         "fault=premature_free seed=4 trigger=Trigger(mode='step', step=2*",
         "strikes=[[]{'fault': 'premature_free', 'step': *",
-        "seed=9; reproduce with: pytest 'test_failure_report_names_fault_seed_victims_and_command.py::test_engine_fails' "
-        "--faultlab-seed=9",
+        "seed=9; reproduce with: pytest '*::test_engine_fails' --faultlab-seed=9",
         "*- faultlab -*",
         "fault=premature_free seed=3 *",
         "chaos_runner: fault=premature_free seed=3 tracker=on injected=1 victims=* victims_aborted=*",
