@@ -130,7 +130,7 @@ def _load_classes(args, scenario, all_classes: bool) -> list[str]:
                              f"(see `faultlab faults`) or 'all'")
         return check_classes(names, scenario.engine, where="--faults")  # the checks a TOML list gets
     if all_classes:
-        return available_faults(scenario.engine)  # phase_split-only classes when the engine splits
+        return available_faults(scenario.engine, scenario.faults.suite)  # of its suite, as its engine can host
     return fault_classes(scenario)
 
 

@@ -8,8 +8,12 @@ The oracle shadows three things, each from the engine's observable actions:
 - *reads*: the page-table rows a forward is about to read (the engine's own table, pre-check).
 
 A request becomes a **victim** at the first forward that would read, for any live position, a page
-other than the one it was granted (``mapping``), a page the allocator has moved since the grant
-(``revoked``: freed or handed out again), or a slot whose content is not its own (``foreign_data``).
+other than the one it was granted (``mapping``), a page the allocator has moved since the grant or that
+sits in the free pool now (``revoked``: freed or handed out again; a prefix-cache hit on a page a buggy
+release freed under the tree is granted while free), or a slot whose content is not its own
+(``foreign_data``). After ``on_kv_scales_lost`` (the FP8 scales of the KV pool were lost, e.g. a
+sleep/wake cycle that re-allocates the pool without its scales) every read is a victim (``kv_scale``):
+no mapping is wrong, every byte is read with the wrong scale.
 In phase-split mode a request is also a victim when its prefill->decode transfer lands while a target
 page is no longer its own (``transfer_revoked``); the landing's writes are ``on_write`` events like any.
 """
@@ -50,16 +54,25 @@ class Oracle:
         self.content: np.ndarray | None = None
         self.page_size = 1
         self._pending: list = []
+        self.free_now: set[int] = set()  # pages whose last allocator move was a free
+        self.scales_lost_at: int | None = None
 
     # -- allocator listener ------------------------------------------------------------------------
     def on_alloc(self, pages) -> None:
         for p in pages.tolist():
             self.moves[p] += 1
+            self.free_now.discard(p)
 
     def on_free(self, pages) -> None:
         for p in pages.tolist():
             self.moves[p] += 1
             self.holder.pop(p, None)
+            self.free_now.add(p)
+
+    def on_kv_scales_lost(self, step: int, **_) -> None:
+        """The KV pool's FP8 scales were lost: every read from now on dequantizes with the wrong scale."""
+        if self.scales_lost_at is None:
+            self.scales_lost_at = step
 
     # -- engine events -----------------------------------------------------------------------------
     def on_engine(self, engine) -> None:
@@ -125,6 +138,8 @@ class Oracle:
         if request.rid in self.report.victims:
             return
         reason = self._mapping_fault(request.rid, row) or self._content_fault(request, row, n_tokens)
+        if reason is None and self.scales_lost_at is not None:
+            reason = "kv_scale"
         if reason:
             self.report.victims[request.rid] = step
             self.report.reasons[request.rid] = reason
@@ -134,7 +149,7 @@ class Oracle:
         for j, page in enumerate(row):
             if j not in grants or grants[j][0] != page:
                 return "mapping"
-            if self.moves[page] != grants[j][1]:
+            if self.moves[page] != grants[j][1] or page in self.free_now:
                 return "revoked"
         return None
 

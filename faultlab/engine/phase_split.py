@@ -55,6 +55,15 @@ class PhaseSplitEngine(Engine):
         self.in_flight: dict[str, Transfer] = {}  # rid -> transfer, in issue order
         super().__init__(config, tracker, observers)
         self._build_prefill_side()
+        # NOTE: the hit guard (radix.py): cached pages carry their tag from insert to every hit, so a
+        # prefix whose page changed hands while the tree still referenced it fails its sharers' checks.
+        self.cache.tagger = self.tracker.transfer_issue
+
+    def _grant(self, request: Request, first: int, pages: torch.Tensor, tags=None, shared: int = 0) -> None:
+        """As the engine's, but a prefix-cache hit records the tags its nodes were inserted with."""
+        if shared and tags is None:
+            tags = self.cache.hit_tags(request.nodes[first:first + pages.numel()])
+        super()._grant(request, first, pages, tags, shared)
 
     def _build_prefill_side(self) -> None:
         c = self.config
@@ -229,8 +238,14 @@ class PhaseSplitEngine(Engine):
     def _discard(self, transfer: Transfer) -> Event:
         """The guard discarded ``transfer`` (its targets changed hands in flight): abort its request."""
         err = self.tracker.transfer_violation(transfer.ticket, transfer.request.rid)
+        request = transfer.request
+        if request.status != "running":
+            # NOTE: its request is gone already (an abort that freed the pages and left the transfer in
+            # flight, sglang #24527): nothing to release; the guard's catch is the discarded late write.
+            self._emit("on_abort", request=request, step=self.step_id, by_tracker=True)
+            return Event(request.rid, "abort", self.step_id, message=str(err))
         self.tracker.note_aborted(1)
-        return self.abort(transfer.request, str(err), by_tracker=True)
+        return self.abort(request, str(err), by_tracker=True)
 
     def _complete(self, request: Request) -> Event:
         transfer = self.in_flight.pop(request.rid, None)

@@ -4,6 +4,12 @@ Each node holds one full page (``page_size`` tokens) and is keyed by those token
 a path from the root spells a token prefix. Running requests lock the nodes they share
 (``lock_ref``); only unlocked leaves are evicted, least recently used first, and eviction frees their
 pages through the allocator. The cache owns the pages of its nodes.
+
+Hit guard (``tagger``, set by an engine that has a tracker): a node records its page's tag when it is
+inserted (``tagger(pages)`` -> a transfer-guard ticket, kvguard/transfer.py), and a request that hits
+the node records *that* tag for the page (``hit_tags``), not the page's current one. A node whose page
+was freed and handed out again while the tree still referenced it (a bug in a release path) then fails
+its sharers' checks instead of passing them with the new owner's tag.
 """
 import itertools
 from dataclasses import dataclass, field
@@ -21,6 +27,7 @@ class Node:
     children: dict = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    tag: object = None  # the page's tag when the node was inserted (0-d tensor; None: unguarded)
 
 
 class RadixCache:
@@ -35,6 +42,7 @@ class RadixCache:
         self.num_pages = 0
         self.evictions = 0  # pages evicted so far
         self.lock_underflows = 0
+        self.tagger = None  # pages -> ticket with .tags (the tracker's transfer_issue), or None
 
     # -- lookup --------------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_pages: int) -> list[Node]:
@@ -71,7 +79,7 @@ class RadixCache:
         """Publish the full pages of a finished request; return pages the cache did NOT take (to free)."""
         ps = self.page_size
         n_full = min(len(pages), len(tokens) // ps) if self.enabled else 0
-        node, rejected, now = self.root, [], next(self._clock)
+        node, rejected, now, created = self.root, [], next(self._clock), []
         for j in range(n_full):
             key = tuple(tokens[j * ps:(j + 1) * ps])
             child = node.children.get(key)
@@ -79,11 +87,26 @@ class RadixCache:
                 child = Node(key=key, page=pages[j], parent=node, last_access=now)
                 node.children[key] = child
                 self.num_pages += 1
+                created.append(child)
             elif child.page != pages[j]:
                 rejected.append(pages[j])  # the cache already holds this prefix page
             child.last_access = now
             node = child
+        self._tag(created)
         return rejected + list(pages[n_full:])
+
+    def _tag(self, nodes: list[Node]) -> None:
+        """Record the current tag of each new node's page (one gather for the batch; no host sync)."""
+        ticket = self.tagger(torch.tensor([n.page for n in nodes], dtype=torch.int64)) if self.tagger and nodes else None
+        if ticket is not None:
+            for n, tag in zip(nodes, ticket.tags):
+                n.tag = tag
+
+    def hit_tags(self, nodes: list[Node]):
+        """The tags recorded when ``nodes`` were inserted (int64 [n]), or None when any is unguarded."""
+        if not nodes or any(n.tag is None for n in nodes):
+            return None
+        return torch.stack([n.tag for n in nodes])
 
     # -- eviction ------------------------------------------------------------------------------------
     def evictable_pages(self) -> int:

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import torch
 
 FAULTS: dict[str, type["Fault"]] = {}
+# Parts of the registry: `all` and `faultlab matrix` draw from one (a scenario's [faults].suite).
+# "catalog": the faults built from first principles (this module); "real_bugs": published KV-cache
+# bugs replayed mechanism for mechanism (faults/real_bugs.py).
+SUITES = ("catalog", "real_bugs")
 
 
 class UnknownFault(ValueError):
@@ -45,13 +49,14 @@ class Fault:
     detectable = True
     why = ""
     requires: str | None = None  # a feature the engine must have (None: always available)
+    suite = "catalog"  # the part of the registry it belongs to (SUITES)
 
     def apply(self, engine, rng: random.Random, ctx: Context) -> dict | None:
         raise NotImplementedError
 
     def describe(self) -> dict:
         return {"fault": self.name, "where": self.where, "corrupts": self.corrupts,
-                "detectable": self.detectable, "why": self.why, "requires": self.requires}
+                "detectable": self.detectable, "why": self.why, "requires": self.requires, "suite": self.suite}
 
 
 # -- helpers ---------------------------------------------------------------------------------------

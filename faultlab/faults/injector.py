@@ -4,6 +4,10 @@ The injector is an engine observer. Faults strike at the engine's ``after_schedu
 the step allocated and mapped, validation not yet run). An event trigger (``alloc``, ``free``,
 ``evict``) arms the fault when that event happens; it strikes at the next ``after_schedule``. Every
 random choice comes from one ``random.Random(seed)``: a run is reproducible from its seed.
+
+A fault may also strike where a request finishes (``on_finish(engine, rng, request, pages)``: right after
+the engine released the request, before anything else is allocated), for bugs in the release path;
+``pages`` are the request's pages by logical page, as granted (the row is gone by then).
 """
 import random
 from dataclasses import dataclass
@@ -47,10 +51,30 @@ class Injector:
         self._write_armed = False
         self._evictions_seen = 0
         self._last_prob_step = -1
+        self._engine = None
+        self._pages: dict[str, dict[int, int]] = {}  # rid -> logical page -> page, as granted
 
     # -- observations ------------------------------------------------------------------------------
+    def on_engine(self, engine, **_):
+        self._engine = engine
+
+    def on_finish(self, request, step, **_):
+        """The release-path strike point (faults with an ``on_finish``)."""
+        pages = self._pages.pop(request.rid, {})
+        hook = getattr(self.fault, "on_finish", None)
+        if hook is None or self.remaining <= 0 or self._engine is None or not self._due(self._engine, step):
+            return
+        record = hook(self._engine, self.rng, request, [pages[j] for j in sorted(pages)])
+        if record is not None:
+            self._strike(step, "finish", record)
+
+    def on_abort(self, request, **_):
+        self._pages.pop(request.rid, None)
+
     def on_grant(self, request, first, pages, previous, step, **_):
         self._grants.append((request, first, pages, previous))
+        held = self._pages.setdefault(request.rid, {})
+        held.update({first + k: p for k, p in enumerate(pages)})
 
     def on_alloc(self, pages):
         self._armed |= self.trigger.mode == "event" and self.trigger.event == "alloc"
