@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultlab.chaos import checking_tracker  # noqa: E402
-from faultlab.engine.engine import Engine, EngineConfig  # noqa: E402
-from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.kvcache import token_bytes  # noqa: E402
-from faultlab.engine.requests import Request  # noqa: E402
-from faultlab.gpubench import pct  # noqa: E402
+from faultlab.chaos import checking_tracker
+from faultlab.engine.engine import Engine, EngineConfig
+from faultlab.engine.config import get_preset
+from faultlab.engine.kvcache import token_bytes
+from faultlab.engine.requests import Request
+from faultlab.gpubench import pct
 
 
 def make_engine(args, batch: int, graphs: bool) -> Engine:

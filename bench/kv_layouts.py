@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultlab import evalkv  # noqa: E402
-from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, hadamard  # noqa: E402
+from faultlab import evalkv
+from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, hadamard
 
 
 def fp8(x: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.model import LlamaModel  # noqa: E402
-from faultlab.engine.weights import random_weights  # noqa: E402
-from faultlab.gpubench import DecodeState, capture, interleaved, pct  # noqa: E402
-from kvguard import NoopTracker  # noqa: E402
+from faultlab.engine.config import get_preset
+from faultlab.engine.model import LlamaModel
+from faultlab.engine.weights import random_weights
+from faultlab.gpubench import DecodeState, capture, interleaved, pct
+from kvguard import NoopTracker
 
 
 def main() -> None:

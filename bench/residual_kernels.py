@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultlab.engine.kvcache import ResidualLayout  # noqa: E402
-from faultlab.engine.kernels.kv_store import store_kv  # noqa: E402
-from faultlab.engine.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from faultlab.engine.kvcache import ResidualLayout
+from faultlab.engine.kernels.kv_store import store_kv
+from faultlab.engine.kernels.paged_attention import paged_decode_attention
 
 
 def main() -> None:

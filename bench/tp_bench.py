@@ -33,17 +33,16 @@ from datetime import timedelta
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.tp import TPLlamaModel  # noqa: E402
-from faultlab.engine.weights import random_weights  # noqa: E402
-from faultlab.gpubench import DecodeState, capture, interleaved, pct  # noqa: E402
-from kvguard import NoopTracker, TrackerConfig  # noqa: E402
-from kvguard.distributed import RankTracker, combine_verdict  # noqa: E402
+from faultlab.engine.config import get_preset
+from faultlab.engine.tp import TPLlamaModel
+from faultlab.engine.weights import random_weights
+from faultlab.gpubench import DecodeState, capture, interleaved, pct
+from kvguard import NoopTracker, TrackerConfig
+from kvguard.distributed import RankTracker, combine_verdict
 
 
 # -- timing ----------------------------------------------------------------------------------------
