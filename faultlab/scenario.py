@@ -14,7 +14,7 @@ from pathlib import Path
 from .engine.engine import ConfigError, EngineConfig
 from .faults.catalog import FAULTS, SUITES
 from .faults.injector import EVENTS, TRIGGERS, Trigger
-from .limits import MAX_TOKENS, SEED_MAX
+from .limits import COUNT_MAX, MAX_TOKENS, SEED_MAX
 
 
 class ScenarioError(ValueError):
@@ -78,7 +78,7 @@ LIMITS = {
     ("workload", "output_len"): (1, MAX_TOKENS), ("workload", "concurrency"): (1, 1024),
     ("workload", "shared_prefix_fraction"): (0.0, 1.0), ("workload", "shared_prefix_len"): (0, MAX_TOKENS),
     ("workload", "arrivals_per_step"): (1, 10_000), ("workload", "temperature"): (0.0, 100.0),
-    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, 1000),
+    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, COUNT_MAX),
     ("faults", "step"): (0, 1_000_000), ("faults", "p"): (0.0, 1.0),
     ("expect", "max_false_positives"): (0, 10**9), ("expect", "max_corrupted_tokens_with_tracker"): (0, 10**9),
     ("engine", "kv_residual_sink"): (0, MAX_TOKENS), ("engine", "kv_residual_window"): (1, MAX_TOKENS),
@@ -144,6 +144,9 @@ def _section(name: str, cls, table) -> object:
         raise ScenarioError(f"[{name}]: {err}") from None
 
 
+RUNNERS = {"tp": "python -m faultlab.tp_run"}  # fault requirements met outside scenarios, and where
+
+
 def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") -> list[str]:
     """``names`` (a scenario's or ``--faults``'s) as fault classes ``engine`` can host; ``all`` alone = every
     one it can host. Unknown, repeated or unhostable names raise ScenarioError naming ``where``."""
@@ -161,8 +164,8 @@ def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") 
     if missing:
         need = sorted({FAULTS[c].requires for c in missing})
         fields_ = {f.name for f in fields(EngineConfig)}
-        how = [f"[engine] {n} = true" if n in fields_ else f"{n!r}, which scenarios cannot provide "
-               f"(run it with python -m faultlab.{n}_run)" for n in need]
+        how = [f"[engine] {n} = true" if n in fields_ else f"{n!r}, which no scenario engine provides"
+               + (f" (run it with {RUNNERS[n]})" if n in RUNNERS else "") for n in need]
         raise ScenarioError(f"{where} {missing} cannot strike in this engine: they need {', '.join(how)}")
     return names
 
