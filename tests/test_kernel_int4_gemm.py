@@ -1,18 +1,16 @@
 """int4_linear (Triton W4A16) against its reference; INT4 packing, quantization and GGUF Q4_1 blocks."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from faultlab.engine.kernels.int4_gemm import (  # noqa: E402
+from faultlab.engine.kernels.int4_gemm import (
     _int4_linear, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, quantize_int4, unpack_int4,
 )
-from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn  # noqa: E402
+from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn
 
-DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 

@@ -7,18 +7,16 @@ where ``res_table >= 0``.
 import math
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from faultlab.engine.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref  # noqa: E402
-from faultlab.engine.kernels.paged_attention import (  # noqa: E402
+from faultlab.engine.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref
+from faultlab.engine.kernels.paged_attention import (
     _paged_decode, paged_decode_attention, paged_decode_attention_ref,
 )
-from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn, rel_error  # noqa: E402
+from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn, rel_error
 
-DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.05, 0.07
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

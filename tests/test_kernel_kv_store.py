@@ -1,15 +1,13 @@
 """store_kv (Triton) against store_kv_ref: bit-exact on fresh random inputs, any cache dtype."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from faultlab.engine.kernels.kv_store import store_kv, store_kv_ref
+from faultlab.engine.kernels.testing import assert_equal, generator, randn
 
-from faultlab.engine.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
-from faultlab.engine.kernels.testing import assert_equal, generator, randn  # noqa: E402
-
-DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" and torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 
 

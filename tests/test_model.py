@@ -1,17 +1,13 @@
-import os
+import importlib.util
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import importlib.util  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from faultlab.engine.config import get_preset  # noqa: E402
-from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
-from faultlab.engine.model import LlamaModel  # noqa: E402
-from faultlab.engine.weights import random_weights  # noqa: E402
-from faultlab.engine.kernels.testing import assert_close  # noqa: E402
+from faultlab.engine.config import get_preset
+from faultlab.engine.kvcache import PagedKVCache
+from faultlab.engine.model import LlamaModel
+from faultlab.engine.weights import random_weights
+from faultlab.engine.kernels.testing import assert_close
 
 PAGE = 4  # small pages, so short sequences cross page boundaries
 

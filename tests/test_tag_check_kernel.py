@@ -5,18 +5,14 @@ request slots and table rows in shuffled order, random live lengths. Corruptions
 entries, so the exact entries (hence rows and per-chunk counts) that must be flagged are known by
 construction; a plain Python loop over the spec double-checks that ground truth.
 """
-import os
+import itertools
+import random
+from dataclasses import dataclass, field
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import itertools  # noqa: E402
-import random  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvguard.kernels.tag_check import tag_check, tag_check_ref  # noqa: E402
+from kvguard.kernels.tag_check import tag_check, tag_check_ref
 
 UNSET = -1
 NUM_PAGES = 203  # pool size, scratch page 0 included

@@ -7,20 +7,16 @@ page it was given, or one of its pages changed generation (was freed, possibly r
 it. After every step, validating all live requests must flag exactly the broken ones: no misses and no
 false aborts.
 """
-import os
+from dataclasses import dataclass, field
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from dataclasses import dataclass, field  # noqa: E402
-
-import torch  # noqa: E402
-from hypothesis import HealthCheck, event, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  # noqa: E402
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
                                  rule)
-from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client import CollectorRegistry
 
-from kvguard import TagTracker, TrackerConfig  # noqa: E402
+from kvguard import TagTracker, TrackerConfig
 
 NUM_PAGES = 20  # pool size; page 0 is scratch, usable pages 1..19 (small: pages get reused a lot)
 ROWS = 6  # request slots
