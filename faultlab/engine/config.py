@@ -1,48 +1,11 @@
-"""Model shapes: a frozen `ModelConfig` and a registry of presets by name."""
+"""Model presets by name (`get_preset`); the shape type itself is `faultlab.engine.shapes.ModelConfig`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
+from faultlab.engine.shapes import ModelConfig
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and constants of a Llama-style decoder."""
-
-    name: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    rope_theta: float
-    rms_eps: float
-    tie_embeddings: bool
-    max_context: int
-    bos_id: int
-    eos_id: int
-
-    def __post_init__(self) -> None:
-        for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "max_context"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(self, field)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
-                             f"n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection (n_heads * head_dim)."""
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the key (or value) projection (n_kv_heads * head_dim)."""
-        return self.n_kv_heads * self.head_dim
+__all__ = ["ModelConfig", "PRESETS", "get_preset"]
 
 
 def _tiny() -> ModelConfig:

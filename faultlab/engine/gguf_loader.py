@@ -14,9 +14,8 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from faultlab.engine.config import ModelConfig
-from faultlab.engine.weights import (Int4Weight, LayerWeights, Linear, ModelWeights, check_weight_args,
-                                     dense_dtype_for)
+from faultlab.engine.shapes import ModelConfig
+from faultlab.engine.weights import Int4Weight, LayerWeights, Linear, ModelWeights, check_weight_args, dense_dtype_for
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q4_1_GROUP = 32

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from faultlab.engine.config import ModelConfig
 from faultlab.engine.kvcache import BACKENDS, PagedKVCache
+from faultlab.engine.shapes import ModelConfig
 from faultlab.engine.weights import Int4Weight, Linear, ModelWeights, concat_rows
 
 

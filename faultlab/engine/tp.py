@@ -35,9 +35,10 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig, get_preset
+from .config import get_preset
 from .engine import ConfigError, Engine, EngineConfig
 from .model import LlamaModel
+from .shapes import ModelConfig
 from .weights import Int4Weight, LayerWeights, Linear, ModelWeights, random_weights
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off in every process that imports us

@@ -6,7 +6,7 @@ from typing import Union
 
 import torch
 
-from faultlab.engine.config import ModelConfig
+from faultlab.engine.shapes import ModelConfig
 
 WEIGHT_DTYPES = ("int4", "bf16", "fp32")
 GROUP_SIZES = (32, 128)
