@@ -1,0 +1,193 @@
+"""SGLang 0.5.23's real scheduler loop on the CPU, with kvguard loaded by SGLang's own plugin loader and
+page-table / allocator faults injected live by faultlab's test-only plugin (``faultlab.sglang_live``).
+
+Each engine runs in a process of its own (``python -m faultlab.sglang_live.harness``): a tiny dummy
+Llama (config written at test time; weights re-drawn so greedy output depends on the KV cache),
+``device="cpu"``, torch_native attention, radix cache on, prompts sharing a 40-token prefix, greedy
+decoding. One engine serves many episodes: a fault-free one first, then one per fault class (the
+injector picks requests, pages and entries from a seed and logs the victims it corrupted: ground
+truth, never read from kvguard). The radix cache is flushed between episodes.
+
+Asserted end to end with ``KVGUARD_MODE=check`` (page sizes 16 and 1):
+* the fault-free episode: no request gets an error;
+* per fault class: exactly the injector's victims get an error, every other request's output token
+  ids equal the fault-free episode's, and SGLang's own idle accounting check (logged by the
+  injector; SGLang's strict idle check would also kill the server) is balanced afterwards.
+With ``KVGUARD_MODE=off`` the same faults show what users get (printed; asserted only that the faults
+are real: some victim's tokens change, and nobody gets an error). ``KVGUARD_MODE=bogus``: the engine
+must fail to start with a message naming KVGUARD_MODE (SGLang's real ``load_plugins`` path).
+
+When a fault kills the server (SGLang's idle check or an out-of-range read raising in the scheduler),
+that episode fails with the scheduler's last error and the remaining episodes run on a fresh engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from faultlab.sglang_live.inject import FAULTS
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+CLASSES = [f for f in FAULTS if f != "none"]
+CLASSES_PS1 = [f for f in CLASSES if f != "in_page_entry"]  # no entry inside a page at page size 1
+# Crash-prone classes last, so a server they kill costs the fewest restarts.
+ORDER = ["swapped_entries", "index_shift", "in_page_entry", "premature_free", "double_free", "stale_row",
+         "out_of_range_entry"]
+SEED = 1
+ENGINE_TIMEOUT = 420
+
+
+def _episodes(classes):
+    return [{"label": "clean", "fault": None}] + [
+        {"label": c.replace("_", ""), "fault": c, "seed": SEED} for c in ORDER if c in classes]
+
+
+def _harness(spec: dict, tmp_path, name: str):
+    """Run one engine; (return code, result dict or None, stderr tail)."""
+    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "FAULTLAB_SGLANG_"))}
+    proc = subprocess.run([sys.executable, "-m", "faultlab.sglang_live.harness", str(spec_path), str(out_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    result = json.loads(out_path.read_text()) if out_path.exists() else None
+    return proc.returncode, result, proc.stderr[-6000:]
+
+
+def _last_error(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if "Error" in ln or "error" in ln or "kvguard" in ln]
+    return "\n".join(lines[-6:])
+
+
+def _run_engine(tmp_path_factory, name: str, base: dict, classes) -> dict:
+    """All episodes of ``classes``; restart the engine after an episode that killed it (at most 3x)."""
+    tmp = tmp_path_factory.mktemp(name)
+    todo, episodes, deaths, runs = _episodes(classes), {}, {}, []
+    for attempt in range(4):
+        rc, result, stderr = _harness({**base, "episodes": todo}, tmp, f"{name}{attempt}")
+        runs.append({"rc": rc, "startup_s": result and result.get("startup_s"), "stderr": stderr})
+        if result is None or not result.get("started"):
+            pytest.fail(f"{name}: sglang.Engine did not start (rc {rc}):\n{stderr}")
+        for ep in result["episodes"]:
+            episodes[ep["label"]] = ep
+        died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
+        if not died:
+            break
+        label = died.get("during")
+        deaths[label] = f"server died (rc {rc}) during episode {label!r}:\n{_last_error(stderr)}"
+        done = set(episodes) | {label}
+        todo = [_episodes(classes)[0]] + [e for e in todo if e["label"] not in done]
+        if len(todo) == 1:
+            break
+    return {"episodes": episodes, "deaths": deaths, "runs": runs}
+
+
+def _base(page_size: int, mode: str) -> dict:
+    return {"page_size": page_size, "radix": True, "env": {"KVGUARD_MODE": mode}, "log_level": "error"}
+
+
+@pytest.fixture(scope="module")
+def check16(tmp_path_factory):
+    return _run_engine(tmp_path_factory, "check16", _base(16, "check"), CLASSES)
+
+
+@pytest.fixture(scope="module")
+def check1(tmp_path_factory):
+    return _run_engine(tmp_path_factory, "check1", _base(1, "check"), CLASSES_PS1)
+
+
+@pytest.fixture(scope="module")
+def off16(tmp_path_factory):
+    classes = ["swapped_entries", "index_shift", "in_page_entry", "premature_free"]
+    return _run_engine(tmp_path_factory, "off16", _base(16, "off"), classes)
+
+
+def _episode(run: dict, label: str) -> dict:
+    if label in run["deaths"]:
+        pytest.fail(run["deaths"][label])
+    assert label in run["episodes"], f"episode {label!r} never ran: {run['deaths']}"
+    return run["episodes"][label]
+
+
+def _by_index(ep: dict) -> dict:
+    return {req["rid"].split("-", 1)[1]: req for req in ep["requests"]}
+
+
+def _assert_balanced(ep: dict) -> None:
+    idle = ep["idle_check"]
+    assert idle is not None, f"{ep['label']}: no idle accounting check was logged after the episode"
+    assert idle["balanced"], f"{ep['label']}: SGLang's pool accounting after the episode: {idle}"
+
+
+def _assert_clean(run: dict) -> None:
+    ep = _episode(run, "clean")
+    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+    assert errors == {}, f"fault-free run aborted requests: {errors}"
+    assert all(len(r["output_ids"]) > 0 for r in ep["requests"])
+    _assert_balanced(ep)
+
+
+def _assert_fault(run: dict, fault: str) -> None:
+    clean = _by_index(_episode(run, "clean"))
+    ep = _episode(run, fault.replace("_", ""))
+    assert ep["armed"], f"{fault}: the injector never armed"
+    assert not [e for e in ep["events"] if e["event"] == "skipped"], ep["events"]
+    victims = set(ep["victims"])
+    assert victims, f"{fault}: the injector reports no victim: {ep['events']}"
+    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+    assert set(errors) == victims, (f"{fault}: errors {errors} but victims (injector's ground truth) "
+                                    f"{sorted(victims)}; events {ep['events']}")
+    assert all("kvguard" in msg for msg in errors.values()), errors
+    wrong = {i: (r["output_ids"], clean[i]["output_ids"]) for i, r in _by_index(ep).items()
+             if r["rid"] not in victims and r["output_ids"] != clean[i]["output_ids"]}
+    assert wrong == {}, f"{fault}: non-victims' tokens differ from the fault-free run: {wrong}"
+    _assert_balanced(ep)
+
+
+def test_clean_run_page16_no_aborts(check16):
+    _assert_clean(check16)
+
+
+def test_clean_run_page1_no_aborts(check1):
+    _assert_clean(check1)
+
+
+@pytest.mark.parametrize("fault", [f for f in ORDER if f in CLASSES])
+def test_fault_page16_exactly_victims_aborted(check16, fault):
+    _assert_fault(check16, fault)
+
+
+@pytest.mark.parametrize("fault", [f for f in ORDER if f in CLASSES_PS1])
+def test_fault_page1_exactly_victims_aborted(check1, fault):
+    _assert_fault(check1, fault)
+
+
+def test_kvguard_off_shows_what_users_get(off16):
+    """Comparison, not a kvguard expectation: with kvguard off the same faults reach clients."""
+    clean = _by_index(_episode(off16, "clean"))
+    changed = {}
+    for label, ep in off16["episodes"].items():
+        if label == "clean":
+            continue
+        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+        assert errors == {}, f"{label}: with kvguard off nobody is aborted, got {errors}"
+        for i, r in _by_index(ep).items():
+            diff = sum(a != b for a, b in zip(r["output_ids"], clean[i]["output_ids"]))
+            if diff:
+                changed[r["rid"]] = (diff, r["rid"] in ep["victims"])
+        print(f"kvguard off, {ep['fault']}: victims {ep['victims']}, tokens differing from the fault-free run: "
+              f"{ {rid: d for rid, (d, _) in changed.items() if rid.startswith(label)} }")
+    assert any(is_victim for _, is_victim in changed.values()), (
+        f"no fault changed a victim's tokens with kvguard off (are the faults real?): {changed}")
+
+
+def test_bogus_mode_stops_the_engine(tmp_path):
+    spec = {**_base(16, "bogus"), "episodes": [{"label": "clean", "fault": None}]}
+    rc, result, stderr = _harness(spec, tmp_path, "bogus")
+    assert rc != 0, "the engine served with KVGUARD_MODE=bogus"
+    assert result is None or not result.get("started"), "the engine started with KVGUARD_MODE=bogus"
+    assert "KVGUARD_MODE" in stderr and "bogus" in stderr, stderr
