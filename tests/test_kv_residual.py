@@ -8,7 +8,7 @@ import torch
 from faultlab.chaos import checking_tracker
 from faultlab.engine.cuda_graphs import GraphedDecode
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
-from faultlab.engine.kvcache import RESIDUAL_SCALE, ResidualLayout, PagedKVCache
+from faultlab.engine.kvcache import PagedKVCache, ResidualLayout
 from faultlab.engine.requests import Request
 from workloads import clean_outputs, random_requests
 
@@ -90,12 +90,6 @@ def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
     plain = caches[False].decode_attention(0, q, block, seq, d ** -0.5, caches[False].decode_plan(block, seq))
     with_res = caches[True].decode_attention(0, q, block, seq, d ** -0.5, caches[True].decode_plan(block, seq, rows))
     assert _rel(with_res[0], exact) < _rel(plain[0], exact) / 2
-
-
-def test_residual_scale_is_the_kernels():
-    from faultlab.engine.kernels.kv_store import RES_SCALE
-
-    assert RES_SCALE == RESIDUAL_SCALE
 
 
 def test_cache_without_rows_fails_loudly():

@@ -16,16 +16,14 @@ import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
-from .kvcache import RESIDUAL_SINK, RESIDUAL_WINDOW, PagedKVCache, ResidualLayout
+from .kvcache import BACKENDS, KV_DTYPES, RESIDUAL_SINK, RESIDUAL_WINDOW, PagedKVCache, ResidualLayout
 from .memory import PageAllocator, ReqToPagePool
 from .radix import RadixCache
 from .requests import Event, Request
+from .weights import WEIGHT_DTYPES
 
-KV_DTYPES = ("fp8", "bf16", "fp32")
-WEIGHT_DTYPES = ("int4", "bf16", "fp32")
 PAGE_SIZES = (1, 16, 64)
 MEMORY_BACKENDS = ("native", "sglang")
-BACKENDS = ("torch", "triton")
 
 
 class ConfigError(ValueError):

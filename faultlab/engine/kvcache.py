@@ -7,11 +7,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+from .kernels.kv_store import FP8_MAX, RES_SCALE as RESIDUAL_SCALE  # written once, beside the kernel
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 BACKENDS = ("torch", "triton")
 _GARBAGE_SEED = 0x5C7A  # seeds the noise written into scratch and guard pages
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-RESIDUAL_SCALE = 16.0  # residual bytes hold (y - e4m3(y)) * 16; faultlab.engine.kernels.kv_store.RES_SCALE
 RESIDUAL_SINK, RESIDUAL_WINDOW = 16, 128  # default tokens with a residual: first (sink), most recent
 
 

@@ -6,10 +6,10 @@ from typing import Union
 
 import torch
 
+from faultlab.engine.kernels.int4_gemm import GROUP_SIZES
 from faultlab.engine.shapes import ModelConfig
 
 WEIGHT_DTYPES = ("int4", "bf16", "fp32")
-GROUP_SIZES = (32, 128)
 _DENSE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

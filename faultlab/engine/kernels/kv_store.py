@@ -20,9 +20,10 @@ import triton.language as tl
 
 from ._common import check_cache_pair, check_residual_pair
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 RES_SCALE = 16.0  # residual byte = e4m3((y - e4m3(y)) * RES_SCALE); read back as r / RES_SCALE
 _RES_SCALE = tl.constexpr(RES_SCALE)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # cache kinds (constexpr OUT_KIND)
@@ -72,8 +73,8 @@ def _e4m3_bits_to_f32(code):
 
 @triton.jit
 def _clamp_fp8(y):
-    """Saturate to [-448, 448], keeping NaN."""
-    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+    """Saturate to [-FP8_MAX, FP8_MAX], keeping NaN."""
+    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))
 
 
 @triton.jit
