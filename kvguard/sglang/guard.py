@@ -1,33 +1,23 @@
-"""The guard kvguard installs on one SGLang 0.5.23 pool set: bookkeeping, the batched check, safe aborts.
+"""The guard kvguard installs on one SGLang 0.5.23 pool set: the batched check and safe aborts.
 
-One :class:`SGLangGuard` per (``ReqToTokenPool``, allocator, tree cache) that ``build_kv_cache`` returned.
-It wraps methods of those *instances* only (draft workers' pools and every other allocator in the process
-stay untouched):
-
-- the allocator's ``alloc`` / ``alloc_extend`` / ``alloc_decode`` (bump the pages handed out) and its
-  release path (bump the pages given back);
-- the allocator's ``free`` / ``free_page_ids`` entry points, which pass through unchanged except while an
-  aborted request is being released (:meth:`SGLangGuard.releasing`): then only pages that request still
-  legitimately holds reach the free list;
-- the tree's ``checkpoint`` (the tree adopts a request's pages, or repoints its row to the tree's copy);
-- the row pool's ``free_rows`` (a released row's expectations are dropped).
+:class:`SGLangGuard` is a :class:`~kvguard.sglang.follow.PoolFollower` (what it follows: pages, tags,
+expectations, the safe release) plus what runs every step: the check launched before each forward, the
+write-slot guard, the verdict and the abort of exactly the flagged requests.
 
 Only functions of this subpackage import SGLang, and only when they run.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..settings import TrackerConfig
 from ..tags import UNSET
-from ..tracker import Check, TagTracker
+from ..tracker import Check
 from ..violations import KVGuardViolation
+from .follow import PoolFollower
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -47,207 +37,9 @@ class Pending:
     stale: list  # per request: its row now belongs to a newer owner (host-side generation check)
 
 
-class SGLangGuard:
-    """Bookkeeping hooks + the batched check for one SGLang scheduler's pools."""
+class SGLangGuard(PoolFollower):
+    """The batched check over one SGLang scheduler's pools, and the abort of exactly the flagged requests."""
 
-    def __init__(self, req_to_token_pool, allocator, tree_cache, config: TrackerConfig, registry=None):
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.tree_cache = tree_cache
-        self.page_size = ps = int(allocator.page_size)
-        self.num_pages = int(getattr(allocator, "num_pages", allocator.size // ps))
-        table = req_to_token_pool.req_to_token
-        self.num_rows = table.shape[0]
-        self.device = table.device
-        # NOTE: quarantine is off. SGLang's req_to_token is a token-level table that the attention
-        # backends, the radix tree and the PD transfer all read; rewriting entries would corrupt their
-        # view. A bad entry aborts its request instead, and its write slot is redirected (guard_writes).
-        self.tracker = TagTracker(replace(config, mode="check", quarantine=False), registry)
-        self.tracker.attach(num_pages=self.num_pages + 1, num_rows=self.num_rows,
-                            max_entries=math.ceil(table.shape[1] / ps), device=self.device, page_size=ps)
-        # The tag each page carried when the radix tree adopted it (UNSET: not a tree page we saw). A
-        # request that matches a tree prefix expects these tags, never the page's current tag: a tree
-        # page freed while the tree still references it is then caught for every later match.
-        self.tree_tags = torch.full((self.num_pages + 1,), UNSET, dtype=torch.int64, device=self.device)
-        # Rows whose expectations kvguard recorded itself (host side, no sync to read). Rows filled by
-        # paths kvguard does not follow (PD decode prealloc, dLLM reuse) are never checked: no false
-        # positives from coverage gaps.
-        self.known = torch.zeros(self.num_rows, dtype=torch.bool)
-        self._warned: set[str] = set()
-        self._paged = hasattr(allocator, "_release_page_ids")
-        self._holds: list[int] | None = None  # pages the request being released may free (releasing())
-        self._raw: dict[str, Callable] = {}  # the allocator's unwrapped free entry points
-        self._wrap_allocator()
-        self._wrap_tree_cache()
-        self._wrap_req_pool()
-
-    # -- instance wrapping -----------------------------------------------------------------------
-    def _wrap_allocator(self) -> None:
-        a, ps = self.allocator, self.page_size
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            setattr(a, name, self._alloc_wrapper(getattr(a, name)))
-        if self._paged:
-            # NOTE: PagedTokenToKVPoolAllocator._release_page_ids is the one place where pages go back
-            # to the free list in 0.5.23: free() (after its unique), free_page_ids(), free_segment()
-            # (-> free_page_ids), free_group_end() (both its pending lists) and the need_sort staging
-            # all end there. Bumping there counts each release once, and a free deferred by a free
-            # group is bumped when the group ends, still before the next check.
-            release = a._release_page_ids
-
-            def _release_page_ids(*page_ids):
-                for ids in page_ids:
-                    self.tracker.on_free(ids)
-                return release(*page_ids)
-
-            a._release_page_ids = _release_page_ids
-            self._raw = {"free": a.free, "free_page_ids": a.free_page_ids}
-            a.free = lambda free_index: self._raw["free"](self._filter(free_index, ps, slots=True))
-            a.free_page_ids = lambda page_ids: self._raw["free_page_ids"](self._filter(page_ids, 1))
-        else:
-            # TokenToKVPoolAllocator (page_size 1): free() releases at once, or queues into an open
-            # free group whose free_group_end() calls free() again with no group open (bumped then).
-            # free_page_ids() calls free().
-            free = a.free
-
-            def _free_unfiltered(free_index):
-                if a.free_group is None and free_index.numel() > 0:
-                    self.tracker.on_free(free_index)
-                return free(free_index)
-
-            self._raw = {"free": _free_unfiltered, "free_page_ids": _free_unfiltered}
-            a.free = lambda free_index: _free_unfiltered(self._filter(free_index, 1))
-
-    def _staged(self) -> int:
-        a = self.allocator
-        if hasattr(a, "num_staged_pages"):
-            return int(a.num_staged_pages)
-        release = getattr(a, "release_pages", None)
-        return 0 if release is None else len(release)
-
-    def _alloc_wrapper(self, original: Callable) -> Callable:
-        a, ps = self.allocator, self.page_size
-
-        def alloc_wrapper(*args, **kwargs):
-            before, staged = a.free_pages, self._staged()
-            out = original(*args, **kwargs)
-            if out is None:
-                return out
-            if staged == 0 or self._staged() == staged:
-                # NOTE: every allocation path of 0.5.23 hands out a prefix of free_pages (alloc takes
-                # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
-                # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two
-                # lengths on the host: no device sync.
-                pages = before[: len(before) - len(a.free_pages)]
-            else:
-                # merge_and_sort_free ran inside the call (need_sort, PD): free_pages was rebuilt.
-                pages = out[out % ps == 0] // ps
-            self.tracker.on_alloc(pages)
-            return out
-
-        alloc_wrapper.__wrapped__ = original
-        return alloc_wrapper
-
-    def _wrap_tree_cache(self) -> None:
-        tree = self.tree_cache
-        if tree is None or not hasattr(tree, "checkpoint"):
-            return
-        checkpoint = tree.checkpoint
-
-        def _checkpoint(req, *args, **kwargs):
-            old = req.kv.cache_protected_len
-            result = checkpoint(req, *args, **kwargs)
-            self.adopt(req, old)
-            return result
-
-        tree.checkpoint = _checkpoint
-
-    def _wrap_req_pool(self) -> None:
-        pool = self.req_to_token_pool
-        if not hasattr(pool, "free_rows"):
-            return
-        free_rows = pool.free_rows
-
-        def _free_rows(indices):
-            for row in indices:
-                self.drop(int(row))
-            return free_rows(indices)
-
-        pool.free_rows = _free_rows
-
-    # -- recording ---------------------------------------------------------------------------------
-    def drop(self, row: int) -> None:
-        self.tracker.drop(row)
-        self.known[row] = False
-
-    def _prefix_tags(self, pages: torch.Tensor) -> torch.Tensor:
-        """What a request matching these tree pages expects: the tag the tree adopted them with."""
-        adopted = self.tree_tags[pages]
-        return torch.where(adopted != UNSET, adopted, self.tracker.tags.gather(pages))
-
-    def adopt(self, req, old_protected: int) -> None:
-        """After tree.checkpoint(): the tree now holds the request's row up to its new protected length.
-
-        NOTE: checkpoint() inserts the request's KV into the tree and repoints its row
-        [old protected, new protected) to the tree's copy where the tree already had the key (the
-        request's duplicates are freed, i.e. bumped). Where the tree adopted the request's own page, the
-        tree inherits the request's expected tag (not the page's current tag, which could launder a page
-        freed in between); where the row was repointed, the request now expects the tree's tag.
-        """
-        ps = self.page_size
-        row, new = req.kv.req_pool_idx, req.kv.cache_protected_len
-        if row is None or new <= old_protected:
-            return
-        row, first, last = int(row), old_protected // ps, -(-new // ps)
-        pages = self.req_to_token_pool.req_to_token[row, first * ps:new:ps].long() // ps
-        mine = self.tracker.expected_pages[row, first:last].long()
-        mine_tags = self.tracker.expected[row, first:last]
-        adopted = (pages == mine) & (mine_tags != UNSET)
-        self.tree_tags[pages[adopted]] = mine_tags[adopted]
-        self.tracker.record(row, first, pages, tags=torch.where(adopted, mine_tags, self._prefix_tags(pages)))
-
-    def record_extend(self, batch, out_cache_loc, rows_cpu, held: list[bool]) -> None:
-        """After alloc_for_extend: each request's row maps prefix pages + the pages just allocated."""
-        ps, table = self.page_size, self.req_to_token_pool.req_to_token
-        offset = 0
-        seq_lens = batch.seq_lens_cpu.tolist()
-        gens = getattr(self.req_to_token_pool, "req_generation", None)
-        for i, (row, prefix_len, seq_len) in enumerate(zip(rows_cpu.tolist(), batch.prefix_lens, seq_lens)):
-            first_new = -(-prefix_len // ps)
-            if not held[i]:
-                # SGLang's own row-reuse tag (ReqToTokenPool.req_generation, bumped in alloc_rows): a
-                # request that is still scheduled after its row went to somebody else is stale.
-                if gens is not None:
-                    batch.reqs[i].kvguard_row_generation = int(gens[row])
-                # A fresh row: its prefix pages are the tree's match (alloc_for_extend has just written
-                # them into the row; on GPU by a Triton kernel, hence read back here). It expects the tags
-                # the tree adopted them with.
-                self.tracker.drop(row)
-                if first_new > 0:
-                    pages = table[row, 0:first_new * ps:ps].long() // ps
-                    self.tracker.record(row, 0, pages, tags=self._prefix_tags(pages))
-            # else: the row already held KV (chunked prefill, session): its prefix entries were
-            # recorded when they were allocated and must NOT be refreshed from the table.
-            last = -(-seq_len // ps)
-            if last > first_new:
-                idx = offset + torch.arange(first_new, last, device=out_cache_loc.device) * ps - prefix_len
-                self.tracker.record(row, first_new, out_cache_loc[idx].long() // ps)
-            offset += seq_len - prefix_len
-            self.known[row] = True
-
-    def record_decode(self, batch, out_cache_loc) -> None:
-        """After alloc_for_decode (one token per request): record the entries that got a new page."""
-        ps, exp = self.page_size, self.tracker.expected
-        rows = batch.req_pool_indices.long()
-        pos = batch.seq_lens.long()  # the position being written (seq_lens is incremented afterwards)
-        cols = torch.div(pos, ps, rounding_mode="floor")
-        fresh = self.tracker.tags.gather(out_cache_loc.long() // ps)
-        # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
-        # never refresh it from the table (that would launder a swapped or freed entry).
-        exp[rows, cols] = torch.where(pos % ps == 0, fresh, exp[rows, cols])
-        self.tracker.expected_pages[rows, cols] = torch.where(
-            pos % ps == 0, (out_cache_loc.long() // ps).to(torch.int32), self.tracker.expected_pages[rows, cols])
-
-    # -- the check -----------------------------------------------------------------------------------
     def launch(self, batch) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
 
@@ -355,54 +147,6 @@ class SGLangGuard:
         return out
 
     # -- abort and release -------------------------------------------------------------------------
-    def legit_pages(self, req) -> list[int]:
-        """Pages the request may give back: recorded for it past the tree's part, tags unchanged.
-
-        Never read from its ``req_to_token`` row (that row is what is broken). A page freed or handed to
-        somebody else since it was recorded carries another tag and is left alone.
-        """
-        ps, row = self.page_size, req.kv.req_pool_idx
-        if row is None:
-            return []
-        gens = getattr(self.req_to_token_pool, "req_generation", None)
-        if gens is not None and getattr(req, "kvguard_row_generation", int(gens[row])) != int(gens[row]):
-            return []  # the row belongs to a newer request now: nothing in it is ours to free
-        first = int(req.kv.cache_protected_len) // ps
-        end = min(-(-int(req.kv.kv_allocated_len) // ps), self.tracker.expected.shape[1])
-        if end <= first:
-            return []
-        return sorted(set(self.tracker.held_pages(int(row), first, end).tolist()))
-
-    @contextlib.contextmanager
-    def releasing(self, req):
-        """While SGLang releases an aborted request: free exactly the pages it still legitimately holds.
-
-        Frees naming other pages (its broken entries: another request's page, a tree page, a page
-        already freed, a slot off the pool) are dropped; its legitimate pages that the broken row no
-        longer names are freed afterwards, so SGLang's pool accounting ends as after a clean finish.
-        """
-        if self._holds is not None:  # already inside (kvguard's abort calls the hooked release)
-            yield
-            return
-        self._holds = self.legit_pages(req)
-        try:
-            yield
-            left = self._holds
-        finally:
-            self._holds = None
-        if left:
-            ids = torch.tensor(left, dtype=torch.int64, device=self.device)
-            self._raw["free_page_ids"](ids)
-
-    def _filter(self, ids: torch.Tensor, unit: int, slots: bool = False) -> torch.Tensor:
-        """Pass ``ids`` (slots or page ids; ``unit`` slots per id) through, or keep only held pages."""
-        if self._holds is None or ids.numel() == 0:
-            return ids
-        pages = sorted(set((ids.long() // unit).tolist())) if unit > 1 else sorted(set(ids.long().tolist()))
-        keep = [p for p in pages if p in self._holds]
-        self._holds = [p for p in self._holds if p not in keep]
-        kept = torch.tensor(keep, dtype=ids.dtype, device=ids.device)
-        return kept * unit if slots else kept
 
     def abort(self, flagged, *, tree_cache, stream: Callable[[list, bool], Any] | None) -> list:
         """SGLang's own per-request abort (the _handle_kv_checksum_mismatch template), released safely."""
@@ -451,11 +195,6 @@ class SGLangGuard:
         if out:
             self.tracker.note_aborted(len(out))
         return out
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
 
 
 def mark_aborted(req) -> None:
