@@ -196,12 +196,12 @@ class OverlapRowFree(RealBug):
     def on_finish(self, engine, rng, request, pages):
         """Note the row the finished request just gave back (rows are not cleared: it still holds its pages)."""
         if not pages:
-            return None
+            return
         want = torch.tensor(pages, dtype=engine.table.dtype, device=engine.table.device)
         rows = (engine.table[:, :len(pages)] == want).all(1).nonzero().flatten().tolist()
         if len(rows) == 1:
             self.freed[rows[0]] = (request.rid, len(pages), engine.step_id)
-        return None
+        return
 
     def apply(self, engine, rng, ctx):
         if ctx.kind != "prefill" or not ctx.requests:
@@ -293,8 +293,9 @@ class BlockAppendedTwice(RealBug):
     name = "block_appended_twice"
     where = "release of a request whose block list holds one block twice"
     corrupts = ("the same page appears twice in the list the release frees: it is freed twice and queued twice, "
-                "so two later allocations share it")
-    why = "each allocation bumps the page's tag: the earlier owner's expected tag is stale at its next check"
+                "so two later allocations share it (or, a page the prefix cache took, it is freed under the tree)")
+    why = ("each allocation bumps the page's tag: the earlier owner's expected tag is stale at its next check; a "
+           "page freed under the tree fails every later hit (the hit guard)")
     source = "vllm-project/vllm issue #42571 -> PR #42615 (also #42903)"
     maintainers = ("with eager SimpleCPUOffload and sliding-window attention the same KVCacheBlock entered a "
                    "request's list twice; free_blocks decremented its ref_cnt twice and appended it to the free "
@@ -302,13 +303,17 @@ class BlockAppendedTwice(RealBug):
     host = SGLANG_POOLS + ": both frees go through SGLang's free_segment (prepends, no dedup)"
 
     def on_finish(self, engine, rng, request, pages):
-        free = _free_now(engine)
-        released = [p for p in pages[request.n_shared:] if p in free]  # what this release just freed
-        if not released:
+        own = pages[request.n_shared:]
+        if not own:
             return None
-        page = rng.choice(released)
+        # NOTE: any of the request's own blocks can re-enter the window; its release already dropped one
+        # reference to each (the tree took the full pages, the rest went back free), so the duplicate's
+        # free is one more: a page already free lands in the free list twice, a page the tree took is
+        # freed under the tree (vLLM's cached free block handed out while still shared).
+        page = rng.choice(own)
+        state = "free" if page in _free_now(engine) else "cached"
         engine.allocator.free(torch.tensor([page]))  # the duplicate entry's free
-        return {"request": request.rid, "page": page}
+        return {"request": request.rid, "page": page, "was": state}
 
 
 # -- 8. sglang PR #38941 ----------------------------------------------------------------------------
