@@ -450,7 +450,7 @@ def _strike_reuse(entry: Entry, batch) -> None:
         return _log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
                     reason="every candidate finished before a reuser arrived")
     if entry.fault == "double_free":
-        page = int(allocator.free_pages[0]) // ps
+        page = int(allocator.free_pages[0])  # free lists hold page ids (slot ids at page size 1)
         _free_to_head(allocator, torch.arange(page * ps, page * ps + ps, device=allocator.free_pages.device))
         entry.watch = {"page": page, "receivers": []}
         return _log_inject(entry, [], pages=[page], note="victims follow as 'victim' lines", **info)
