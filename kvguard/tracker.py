@@ -20,6 +20,16 @@ from .tags import UNSET, TagTable
 from .violations import KVGuardViolation, Violation, log_violation
 
 
+def _as_index(value) -> int | None:
+    """``value`` as an int index (Python, numpy or 0-d torch integers), or None (bools are not indices)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 @dataclass
 class Check:
     """A launched validation: the device verdict plus what is needed to explain a failure."""
@@ -30,6 +40,7 @@ class Check:
     source_rows: torch.Tensor  # [B] row of `source` for each batch entry
     entry_step: int
     page_div: int
+    per_token: bool = False  # every token entry of a token table was checked (page and in-page offset)
 
 
 class NoopTracker:
@@ -66,7 +77,7 @@ class NoopTracker:
         raise NotImplementedError("the no-op tracker records nothing")
 
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
-                 source_rows=None, entry_step=1, page_div=1, entries_hint=None) -> Check | None:
+                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None) -> Check | None:
         """Launch the batched check (the no-op tracker launches nothing and returns None)."""
         return None
 
@@ -226,7 +237,7 @@ class TagTracker(NoopTracker):
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
-                 source_rows=None, entry_step=1, page_div=1, entries_hint=None) -> Check:
+                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None) -> Check:
         """Check ``table`` rows against expected tags; quarantine failing entries in ``table``.
 
         ``table`` is what the next kernel reads: a batch-packed page table ``[B, P]`` (then
@@ -238,20 +249,21 @@ class TagTracker(NoopTracker):
         batch = rows.numel()
         if table_rows is None:
             table_rows = self._aranges[:batch]
-        quarantine = self.config.quarantine and entry_step == 1
+        quarantine = self.config.quarantine and entry_step == 1 and not per_token
         if source is None:
             # The check quarantines `table` in place: explain failures from a snapshot taken before it
             # (pass `source` to avoid the copy).
             source, source_rows = (table.clone() if quarantine else table), table_rows
-        check = self._check
-        verdict = check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
-                        max_entries=max_entries, scratch_page=self.scratch_page, entry_step=entry_step,
-                        page_div=page_div, quarantine=quarantine)
+        with self.lock:  # the launch reads tags and expectations (on the CPU path, synchronously)
+            verdict = self._check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
+                                  max_entries=max_entries, scratch_page=self.scratch_page,
+                                  entry_step=entry_step, page_div=page_div, per_token=per_token,
+                                  quarantine=quarantine)
         self.metrics.checks.inc()
         if entries_hint is not None:
             self.metrics.entries.inc(entries_hint)
         return Check(verdict, rows, source, table_rows if source_rows is None else source_rows,
-                     entry_step, page_div)
+                     entry_step, page_div, per_token)
 
     def resolve(self, check: Check | None, verdict_host: torch.Tensor | None,
                 request_ids: list[str]) -> list[KVGuardViolation]:
@@ -304,32 +316,42 @@ class TagTracker(NoopTracker):
         row = int(check.rows[b])
         src_row = int(check.source_rows[b])
         width = self.expected.shape[1]
-        raw = check.source[src_row, ::check.entry_step][:width].long().cpu()  # [width]
-        want = self.expected[row, :raw.numel()].cpu()
+        if not (0 <= row < self.expected.shape[0] and 0 <= src_row < check.source.shape[0]):
+            return Violation(request_id=request_id, row=row, logical_position=0, page=-1, expected_tag=UNSET,
+                             found_tag=None, reason="bad_row", bad_entries=bad)
+        # entry j of the check: token j (per_token, logical page j // page_div) or page j
+        per = check.page_div if check.per_token else 1
+        raw = check.source[src_row, ::check.entry_step][:width * per].long().cpu()  # [entries]
+        j_all = torch.arange(raw.numel())
+        want = self.expected[row, :width].cpu()[torch.div(j_all, per, rounding_mode="floor")]
         limit = self.tags.num_pages * check.page_div
         in_range = (raw >= 0) & (raw < limit)
         tags = self.tags.tags.cpu()
         pages = torch.where(in_range, raw // check.page_div, torch.zeros_like(raw))
         mismatch = ~in_range | (tags[pages] != want)
+        if check.per_token:
+            mismatch |= (raw % check.page_div) != (j_all % check.page_div)
         j = int(mismatch.nonzero().flatten()[0]) if bool(mismatch.any()) else 0
-        page_size = check.entry_step if check.entry_step > 1 else self.page_size
-        reason = "out_of_range" if not in_range[j] else ("unrecorded" if want[j] == UNSET else "tag_mismatch")
+        if check.per_token:
+            position = j
+        else:
+            position = j * (check.entry_step if check.entry_step > 1 else self.page_size)
+        if not bool(mismatch.any()):
+            reason = "unchecked"  # the row index or the entry count was outside what the launch could read
+        elif not in_range[j]:
+            reason = "out_of_range"
+        elif want[j] == UNSET:
+            reason = "unrecorded"
+        elif tags[pages[j]] == want[j]:
+            reason = "misplaced_in_page"  # the right page, the wrong token slot inside it
+        else:
+            reason = "tag_mismatch"
         return Violation(
-            request_id=request_id, row=row, logical_position=j * page_size,
+            request_id=request_id, row=row, logical_position=position,
             page=int(raw[j] // check.page_div) if in_range[j] else int(raw[j]),
             expected_tag=int(want[j]), found_tag=int(tags[pages[j]]) if in_range[j] else None,
             reason=reason, bad_entries=bad,
         )
-
-
-def _as_index(value) -> int | None:
-    """``value`` as an int index (Python, numpy or 0-d torch integers), or None (bools are not indices)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def make_tracker(config: TrackerConfig | None = None, registry: CollectorRegistry | None = None):
