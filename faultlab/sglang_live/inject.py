@@ -146,7 +146,12 @@ class Entry:
         return not any(req is c for c in self.candidates)
 
 
-def parse_plan(text: str, seed: int = 0) -> list[Entry]:
+def parse_plan(text: str, seed: int | str = 0) -> list[Entry]:
+    """The entries of a plan (see the module docstring); PlanError names what is wrong."""
+    try:
+        seed = int(seed)
+    except ValueError:
+        raise PlanError(f"{ENV_SEED}: {seed!r} is not an integer") from None
     text = text.strip()
     if not text:
         return []
@@ -156,10 +161,16 @@ def parse_plan(text: str, seed: int = 0) -> list[Entry]:
         except json.JSONDecodeError as exc:
             raise PlanError(f"{ENV_FAULTS}: not valid JSON ({exc})") from None
         keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "label"}
+        if not isinstance(raw, list):
+            raise PlanError(f"{ENV_FAULTS}: a JSON list of entries is expected, got {type(raw).__name__}")
         entries = []
         for item in raw:
-            if not isinstance(item, dict) or set(item) - keys:
-                raise PlanError(f"{ENV_FAULTS}: entry {item!r}: allowed keys are {sorted(keys)}")
+            if not isinstance(item, dict) or set(item) - keys or "fault" not in item:
+                raise PlanError(f"{ENV_FAULTS}: entry {item!r}: needs 'fault'; allowed keys are {sorted(keys)}")
+            for key in ("seed", "step", "min_candidates"):
+                if item.get(key) is not None and (not isinstance(item[key], int) or isinstance(item[key], bool)
+                                                  or item[key] < 0):
+                    raise PlanError(f"{ENV_FAULTS}: entry {item!r}: {key} must be an integer >= 0")
             entries.append(Entry(**{"seed": seed, **item}))
         return entries
     return [Entry(fault=name.strip(), seed=seed) for name in text.split(",") if name.strip()]
@@ -184,7 +195,12 @@ def register(env=None) -> bool:
         from . import cpu_rotary
 
         cpu_rotary.install()
-    plan = parse_plan(env.get(ENV_FAULTS, ""), int(env.get(ENV_SEED, "0")))
+    try:
+        plan = parse_plan(env.get(ENV_FAULTS, ""), env.get(ENV_SEED, "0"))
+    except PlanError as exc:
+        # SystemExit, not an Exception: SGLang's plugin loader swallows exceptions, and a test whose
+        # plan was silently dropped would run fault-free and prove nothing.
+        raise SystemExit(f"faultlab_inject: {exc}") from None
     accounting = bool(plan) or env.get(ENV_ACCOUNTING) == "1"
     dummy = env.get(ENV_DUMMY)
     if not (plan or accounting or dummy) or _State.registered:

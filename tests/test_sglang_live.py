@@ -1,0 +1,81 @@
+"""faultlab.sglang_live without a server: the fault plan, the plugin's off state, the CPU rotary op."""
+import math
+
+import pytest
+import torch
+
+from faultlab.sglang_live import cpu_rotary, inject
+
+
+def test_plan_parses_both_forms():
+    assert [(e.fault, e.seed) for e in inject.parse_plan("swapped_entries, stale_row", seed=5)] == [
+        ("swapped_entries", 5), ("stale_row", 5)]
+    [entry] = inject.parse_plan('[{"fault": "in_page_entry", "seed": 3, "rid_prefix": "x-", "label": "l"}]')
+    assert (entry.fault, entry.seed, entry.rid_prefix, entry.label) == ("in_page_entry", 3, "x-", "l")
+    assert 2 <= entry.step <= 6
+    assert inject.parse_plan("") == []
+
+
+def test_plan_is_a_pure_function_of_the_seed():
+    a, b, c = (inject.parse_plan('[{"fault": "index_shift", "seed": %d}]' % s)[0] for s in (7, 7, 8))
+    draws = [(e.step, e.rng.random()) for e in (a, b, c)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+@pytest.mark.parametrize("text, named", [
+    ("swaped_entries", "swaped_entries"),
+    ('[{"fault": "stale_row", "when": 3}]', "allowed keys"),
+    ('[{"seed": 3}]', "needs 'fault'"),
+    ('[{"fault": "stale_row", "step": -1}]', "step"),
+    ('{"fault": "stale_row"}', "is not one of"),
+    ("[not json", "not valid JSON"),
+])
+def test_bad_plan_stops_the_process_with_the_field_named(text, named):
+    with pytest.raises(SystemExit) as info:
+        inject.register({inject.ENV_FAULTS: text})
+    assert inject.ENV_FAULTS in str(info.value) and named in str(info.value)
+
+
+def test_bad_seed_is_named():
+    with pytest.raises(SystemExit, match=inject.ENV_SEED):
+        inject.register({inject.ENV_FAULTS: "stale_row", inject.ENV_SEED: "x"})
+
+
+def test_registers_nothing_without_its_variables():
+    assert inject.register({}) is False
+    assert inject._State.registered is False and inject._State.plan == []
+
+
+def _reference(positions, x, head_size, cache, neox):
+    """The rotation as a complex product, written independently of the op under test."""
+    t, rot = positions.numel(), cache.shape[1]
+    view = x.view(t, -1, head_size).double()
+    cos, sin = cache.double()[positions].chunk(2, dim=-1)
+    turn = torch.complex(cos, sin)[:, None, :]
+    part = view[..., :rot]
+    if neox:
+        z = torch.complex(part[..., : rot // 2], part[..., rot // 2:]) * turn
+        out = torch.cat((z.real, z.imag), dim=-1)
+    else:
+        z = torch.complex(part[..., 0::2], part[..., 1::2]) * turn
+        out = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    return torch.cat((out, view[..., rot:]), dim=-1).view(t, -1)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rot", [16, 8])
+def test_cpu_rotary_matches_reference(neox, rot):
+    gen = torch.Generator().manual_seed(rot + neox)
+    t, heads, kv_heads, head_size, max_pos = 7, 4, 2, 16, 64
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    q = torch.randn(t, heads * head_size, generator=gen)
+    k = torch.randn(t, kv_heads * head_size, generator=gen)
+    q_ref, k_ref = _reference(positions, q, head_size, cache, neox), _reference(positions, k, head_size, cache, neox)
+    cpu_rotary.rotary_embedding(positions, q, k, head_size, cache, neox)  # in place
+    for out, ref in ((q, q_ref), (k, k_ref)):
+        err = (out.double() - ref).norm() / ref.norm()
+        assert err < 1e-6, err
+    assert not math.isclose(float(q_ref.norm()), 0.0)
