@@ -45,6 +45,12 @@ def _free_now(engine) -> set[int]:
     return set(engine.allocator.free_pages.tolist())
 
 
+def _will_hit(engine, tokens) -> bool:
+    """Will a waiting request hit the cached prefix ``tokens`` spell? (A free under the tree harms only the
+    requests that hit it later, so these replays strike where one will.)"""
+    return any(len(w.prompt) > len(tokens) and w.prompt[:len(tokens)] == tokens for w in engine.waiting)
+
+
 # -- 1. sglang PR #24226 ----------------------------------------------------------------------------
 @register
 class OffloadFreesPrefill(RealBug):
@@ -96,7 +102,7 @@ class OffloadCopyRacesFree(RealBug):
         ps = engine.page_size
         cached = {n.page for n in engine.cache._nodes()}
         published = [p for p in pages[request.n_shared:len(request.tokens[:request.kv_len]) // ps] if p in cached]
-        if not published:
+        if not published or not _will_hit(engine, request.tokens[:(request.n_shared + 1) * ps]):
             return None
         engine.allocator.free(torch.tensor(published, dtype=torch.int64))  # freed before the copy landed
         return {"request": request.rid, "pages": published}
@@ -280,7 +286,7 @@ class StaleProtectedLen(RealBug):
         shared = [p for p in pages[:request.n_shared]]
         cached = {n.page for n in engine.cache._nodes()}
         shared = [p for p in shared if p in cached]
-        if not shared:
+        if not shared or not _will_hit(engine, request.tokens[:engine.page_size]):
             return None
         engine.allocator.free(torch.tensor(shared, dtype=torch.int64))
         return {"request": request.rid, "protected_len": 0, "prefix_len": request.n_shared * engine.page_size,
@@ -303,7 +309,9 @@ class BlockAppendedTwice(RealBug):
     host = SGLANG_POOLS + ": both frees go through SGLang's free_segment (prepends, no dedup)"
 
     def on_finish(self, engine, rng, request, pages):
-        own = pages[request.n_shared:]
+        ps, free = engine.page_size, _free_now(engine)
+        own = [p for j, p in enumerate(pages) if j >= request.n_shared
+               and (p in free or _will_hit(engine, request.tokens[:(j + 1) * ps]))]
         if not own:
             return None
         # NOTE: any of the request's own blocks can re-enter the window; its release already dropped one
@@ -311,7 +319,7 @@ class BlockAppendedTwice(RealBug):
         # free is one more: a page already free lands in the free list twice, a page the tree took is
         # freed under the tree (vLLM's cached free block handed out while still shared).
         page = rng.choice(own)
-        state = "free" if page in _free_now(engine) else "cached"
+        state = "free" if page in free else "cached"
         engine.allocator.free(torch.tensor([page]))  # the duplicate entry's free
         return {"request": request.rid, "page": page, "was": state}
 
