@@ -1,0 +1,15 @@
+# Source this on the GPU machine, from the folder holding the project tree to run (see
+# bench/sglang_h200_snapshot.sh), before `python3 bench/sglang_h200.py ...`. It installs the offline
+# SGLang 0.5.23 bundle (../shared/tools/sglang-h200/build.sh; the folder is $SGL_BUNDLE, default .sgl)
+# once per machine, and sets the variables SGLang needs there (../shared/reference/sglang-on-h200.md).
+SGL_BUNDLE=${SGL_BUNDLE:-.sgl}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+S=/tmp/sgl_site
+if [ ! -d $S/sglang ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $S "$SGL_BUNDLE"/wheels/*.whl || return 1
+  # Llama's MLP imports the CuTe-DSL dual GEMM (cutlass, not in the bundle) on CUDA: turn that optional kernel off.
+  sed -i 's/        if not is_cuda():/        if True:  # no cutlass-dsl here/' $S/sglang/srt/layers/dual_gemm.py
+fi
+export PYTHONPATH=$PWD:$S${PYTHONPATH:+:$PYTHONPATH}
