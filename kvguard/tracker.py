@@ -200,7 +200,8 @@ class TagTracker(NoopTracker):
             self.expected[row, first:first + count] = self.tags.gather(pages) if tags is None else tags
             self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
 
-    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
+    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor,
+                    where: torch.Tensor | None = None) -> None:
         self._require_attached()
         if not rows.numel() == cols.numel() == pages.numel():
             raise ValueError(f"TagTracker.record_many: rows, cols and pages differ in length "
@@ -213,8 +214,13 @@ class TagTracker(NoopTracker):
         dev = self.expected.device
         rows, cols = rows.to(dev, torch.int64), cols.to(dev, torch.int64)
         with self.lock:
-            self.expected[rows, cols] = self.tags.gather(pages)
-            self.expected_pages[rows, cols] = pages.to(dev, torch.int32)
+            tags, pages32 = self.tags.gather(pages), pages.to(dev, torch.int32)
+            if where is not None:  # device mask, no sync: entries outside it keep their expectation
+                where = where.to(dev)
+                tags = torch.where(where, tags, self.expected[rows, cols])
+                pages32 = torch.where(where, pages32, self.expected_pages[rows, cols])
+            self.expected[rows, cols] = tags
+            self.expected_pages[rows, cols] = pages32
 
     def drop(self, row: int) -> None:
         self._require_attached()
@@ -234,6 +240,39 @@ class TagTracker(NoopTracker):
             pages = self.expected_pages[row, first:end].long()
             still = self.tags.tags[pages] == self.expected[row, first:end]
             return pages[still].cpu()
+
+    def expectation(self, row: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, tags) recorded for ``row`` at logical ``first..end`` (copies; UNSET tags: nothing)."""
+        self._require_attached()
+        row = self._check_row("expectation", row)
+        with self.lock:
+            return self.expected_pages[row, first:end].long().clone(), self.expected[row, first:end].clone()
+
+    def current_tags(self, pages: torch.Tensor) -> torch.Tensor:
+        """The tags ``pages`` carry now (device gather, no sync)."""
+        self._require_attached()
+        with self.lock:
+            return self.tags.gather(pages)
+
+    def warm_up(self, table: torch.Tensor, *, page_div: int = 1, per_token: bool = False) -> None:
+        """Compile every variant of the check kernel now (one per block size), so no request pays for it.
+
+        Launches on row 0 of ``table`` with nothing live; counts no check and changes no state.
+        """
+        self._require_attached()
+        if not self.use_triton:
+            return
+        from .kernels.tag_check import block_sizes
+
+        dev = self.expected.device
+        for dtype in (torch.int32, torch.int64):  # row indices arrive as either
+            rows = torch.zeros(1, dtype=dtype, device=dev)
+            for block in block_sizes():
+                with self.lock:
+                    self._check(table, rows, rows, rows, self.tags.tags, self.expected, max_entries=block,
+                                page_div=page_div, per_token=per_token, quarantine=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,

@@ -4,19 +4,16 @@ Each test drives the tracker the way an engine does (on_alloc -> record -> valid
 own Prometheus registry, and checks the violations it reports field by field.
 """
 import os
+import random
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-from structlog.testing import capture_logs  # noqa: E402
-
-from kvguard import (KVGuardViolation, NoopTracker, SettingsError, TagTable, TagTracker,  # noqa: E402
+from kvguard import (KVGuardViolation, NoopTracker, SettingsError, TagTable, TagTracker,
                      TrackerConfig, make_tracker)
-from kvguard.tags import UNSET  # noqa: E402
+from kvguard.tags import UNSET
 
 NUM_PAGES = 64  # usable pages 1..63, page 0 scratch
 WIDTH = 8  # max pages per request slot
@@ -556,3 +553,32 @@ def test_resolve_empty_batch_and_mismatched_ids(backend):
     with pytest.raises(ValueError, match="1 request ids for a check of 2 batch entries"):
         tracker.resolve(check, check.verdict.cpu(), ["a"])
     assert {err.request_id for err in tracker.resolve(check, check.verdict.cpu(), ["a", "b"])} == {"a", "b"}
+
+
+def test_record_many_where_keeps_the_other_expectations(backend):
+    tracker = checked_tracker(backend)
+    tracker.attach(num_pages=16, num_rows=2, max_entries=4, device="cpu")
+    pages = torch.tensor([3, 5, 7])
+    tracker.on_alloc(pages)
+    tracker.record(0, 0, pages)
+    before = tracker.expectation(0, 0, 3)
+    tracker.on_alloc(torch.tensor([9, 11]))
+    tracker.record_many(torch.tensor([0, 0]), torch.tensor([1, 2]), torch.tensor([9, 11]),
+                        where=torch.tensor([True, False]))
+    pages_now, tags_now = tracker.expectation(0, 0, 3)
+    assert pages_now.tolist() == [3, 9, 7]
+    assert tags_now[0] == before[1][0] and tags_now[2] == before[1][2] and tags_now[1] == tag_of(tracker, 9)
+
+
+def test_warm_up_compiles_without_side_effects():
+    tracker = checked_tracker("triton")
+    tracker.attach(num_pages=16, num_rows=3, max_entries=4, device="cpu", page_size=4)
+    pages = torch.tensor([2, 6])
+    tracker.on_alloc(pages)
+    tracker.record(1, 0, pages)
+    tags, expected = tracker.tags.tags.clone(), tracker.expected.clone()
+    table = torch.randint(0, 64, (3, 16), dtype=torch.int32)
+    saved = table.clone()
+    tracker.warm_up(table, page_div=4, per_token=True)
+    assert torch.equal(tracker.tags.tags, tags) and torch.equal(tracker.expected, expected)
+    assert torch.equal(table, saved) and tracker.metrics.checks._value.get() == 0

@@ -28,7 +28,10 @@ import triton.language as tl
 DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
 
-@triton.jit
+# NOTE: the grid-shaped integers change from step to step (n_chunks is 1 for a short batch, many for a long
+# one); specializing on them (== 1, % 16) would compile new variants mid-serving. Only BLOCK and the flags
+# select a variant, so warming up every block size (TagTracker.warm_up) compiles all of them.
+@triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "cap", "slot_limit", "scratch_page", "n_chunks"])
 def _tag_check_kernel(
     table_ptr, table_rows_ptr, expected_rows_ptr, n_entries_ptr, tags_ptr, expected_ptr, verdict_ptr,
     table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_page, n_chunks,
@@ -65,6 +68,15 @@ def _tag_check_kernel(
     unchecked = tl.where(rows_ok, tl.maximum(n - cap, 0), tl.maximum(n, 1)).to(tl.int32)
     count += tl.where(chunk == 0, unchecked, 0)
     tl.store(verdict_ptr + b * n_chunks + chunk, count)
+
+
+def block_sizes() -> list[int]:
+    """Every block size :func:`_block_for` can pick (each is its own compiled kernel variant)."""
+    sizes, block = [], 16
+    while block <= DEFAULT_BLOCK:
+        sizes.append(block)
+        block *= 2
+    return sizes
 
 
 def _block_for(max_entries: int, block: int | None) -> int:

@@ -165,7 +165,7 @@ class PoolFollower:
     def _prefix_tags(self, pages: torch.Tensor) -> torch.Tensor:
         """What a request matching these tree pages expects: the tag the tree adopted them with."""
         adopted = self.tree_tags[pages]
-        return torch.where(adopted != UNSET, adopted, self.tracker.tags.gather(pages))
+        return torch.where(adopted != UNSET, adopted, self.tracker.current_tags(pages))
 
     def adopt(self, req, old_protected: int) -> None:
         """After tree.checkpoint(): the tree now holds the request's row up to its new protected length.
@@ -182,8 +182,7 @@ class PoolFollower:
             return
         row, first, last = int(row), old_protected // ps, -(-new // ps)
         pages = self.req_to_token_pool.req_to_token[row, first * ps:new:ps].long() // ps
-        mine = self.tracker.expected_pages[row, first:last].long()
-        mine_tags = self.tracker.expected[row, first:last]
+        mine, mine_tags = self.tracker.expectation(row, first, last)
         adopted = (pages == mine) & (mine_tags != UNSET)
         self.tree_tags[pages[adopted]] = mine_tags[adopted]
         self.tracker.record(row, first, pages, tags=torch.where(adopted, mine_tags, self._prefix_tags(pages)))
@@ -219,18 +218,13 @@ class PoolFollower:
 
     def record_decode(self, batch, out_cache_loc) -> None:
         """After alloc_for_decode (one token per request): record the entries that got a new page."""
-        ps, exp = self.page_size, self.tracker.expected
-        rows = batch.req_pool_indices.long()
+        ps = self.page_size
         pos = batch.seq_lens.long()  # the position being written (seq_lens is incremented afterwards)
-        cols = torch.div(pos, ps, rounding_mode="floor")
-        fresh = self.tracker.tags.gather(out_cache_loc.long() // ps)
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
-        # never refresh it from the table (that would launder a swapped or freed entry).
-        exp[rows, cols] = torch.where(pos % ps == 0, fresh, exp[rows, cols])
-        self.tracker.expected_pages[rows, cols] = torch.where(
-            pos % ps == 0, (out_cache_loc.long() // ps).to(torch.int32), self.tracker.expected_pages[rows, cols])
-
-    # -- the check -----------------------------------------------------------------------------------
+        # never refresh it from the table (that would launder a swapped or freed entry). Device mask,
+        # no sync.
+        self.tracker.record_many(batch.req_pool_indices, torch.div(pos, ps, rounding_mode="floor"),
+                                 out_cache_loc.long() // ps, where=pos % ps == 0)
 
     def legit_pages(self, req) -> list[int]:
         """Pages the request may give back: recorded for it past the tree's part, tags unchanged.
@@ -245,7 +239,7 @@ class PoolFollower:
         if gens is not None and getattr(req, "kvguard_row_generation", int(gens[row])) != int(gens[row]):
             return []  # the row belongs to a newer request now: nothing in it is ours to free
         first = int(req.kv.cache_protected_len) // ps
-        end = min(-(-int(req.kv.kv_allocated_len) // ps), self.tracker.expected.shape[1])
+        end = -(-int(req.kv.kv_allocated_len) // ps)
         if end <= first:
             return []
         return sorted(set(self.tracker.held_pages(int(row), first, end).tolist()))

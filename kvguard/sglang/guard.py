@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..tags import UNSET
 from ..tracker import Check
 from ..violations import KVGuardViolation
 from .follow import PoolFollower
@@ -103,24 +102,8 @@ class SGLangGuard(PoolFollower):
         out.masked_fill_(bad, SCRATCH_SLOT)
 
     def warm_up(self) -> None:
-        """Compile every variant of the check kernel now, so that no request pays for a compile."""
-        if not self.tracker.use_triton:
-            return
-        from ..kernels.tag_check import DEFAULT_BLOCK
-
-        table = self.req_to_token_pool.req_to_token
-        row0 = torch.zeros(1, dtype=torch.int64, device=self.device)
-        rows = torch.zeros(1, dtype=torch.int32, device=self.device)
-        block = 16
-        while block <= DEFAULT_BLOCK:
-            n = torch.full((1,), block, dtype=torch.int64, device=self.device)
-            for r in (rows, row0):  # req_pool_indices come as int64 (decode) or int32 (some paths)
-                self.tracker._check(table, r, r, n, self.tracker.tags.tags, self.tracker.expected,
-                                    max_entries=block, page_div=self.page_size, per_token=True,
-                                    quarantine=False)
-            block *= 2
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Compile every variant of the check kernel at install, so that no request pays for a compile."""
+        self.tracker.warm_up(self.req_to_token_pool.req_to_token, page_div=self.page_size, per_token=True)
 
     def resolve(self, pending: Pending, group=None) -> list[tuple[Any, str, bool]]:
         """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale)."""
@@ -209,10 +192,3 @@ def _all_reduce_max(flags: list[int], group) -> list[int]:
     from sglang.srt.disaggregation.utils import all_reduce_flags
 
     return all_reduce_flags(flags, group, torch.distributed.ReduceOp.MAX)
-
-
-def expected_row(guard: SGLangGuard, row: int) -> torch.Tensor:
-    """The expected tags of one row, up to its last recorded entry (diagnostics and tests)."""
-    exp = guard.tracker.expected[row]
-    live = (exp != UNSET).nonzero().flatten()
-    return exp[: int(live[-1]) + 1] if live.numel() else exp[:0]

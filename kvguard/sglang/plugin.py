@@ -43,7 +43,7 @@ import torch
 
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
-from .guard import ABORT_MESSAGE, SGLangGuard, expected_row, mark_aborted  # noqa: F401  (re-exported)
+from .guard import SGLangGuard
 
 log = logging.getLogger("kvguard.sglang")
 
