@@ -181,6 +181,8 @@ def test_kvguard_off_shows_what_users_get(off16):
                 changed[r["rid"]] = (diff, r["rid"] in ep["victims"])
         print(f"kvguard off, {ep['fault']}: victims {ep['victims']}, tokens differing from the fault-free run: "
               f"{ {rid: d for rid, (d, _) in changed.items() if rid.startswith(label)} }")
+    for label, death in off16["deaths"].items():
+        print(f"kvguard off, {label}: {death}")
     assert any(is_victim for _, is_victim in changed.values()), (
         f"no fault changed a victim's tokens with kvguard off (are the faults real?): {changed}")
 

@@ -141,13 +141,21 @@ def run(spec: dict, out_path: str) -> int:
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
     save()
+    _watchdog(result, save)
     wave1, wave2 = prompts(workload, page_size)
     try:
         for ep in episodes:
+            result["current"] = ep["label"]
+            save()
             t = time.time()
             outs, armed = engine.loop.run_until_complete(
                 _episode(engine, ep["label"], wave1, wave2, workload, log_path))
             end = time.time()
+            record = {"label": ep["label"], "fault": ep.get("fault"), "seed": ep.get("seed", 0), "armed": armed,
+                      "requests": outs, "idle_check": None, "seconds": end - t}
+            result["episodes"].append(record)
+            _finish_record(record, log_path)
+            save()  # what the clients got, before the idle check that may kill the server
             idle = None
             while time.time() - end < 10:
                 idle = next((e for e in _read_log(log_path)[::-1]
@@ -156,18 +164,51 @@ def run(spec: dict, out_path: str) -> int:
                     break
                 time.sleep(0.05)
             flushed = engine.flush_cache()
-            events = [e for e in _read_log(log_path) if e.get("label") == ep["label"]]
-            victims = sorted({v for e in events if e["event"] == "inject" for v in e["victims"]}
-                             | {e["rid"] for e in events if e["event"] == "victim"})
-            result["episodes"].append({
-                "label": ep["label"], "fault": ep.get("fault"), "seed": ep.get("seed", 0), "armed": armed,
-                "requests": outs, "events": events, "victims": victims, "idle_check": idle,
-                "flushed": getattr(flushed, "success", flushed), "seconds": end - t})
+            record.update(idle_check=idle, flushed=getattr(flushed, "success", flushed))
+            _finish_record(record, log_path)
             save()
+        result["current"] = None
     finally:
+        result["closing"] = True
         engine.shutdown()
     save()
     return 0
+
+
+def _finish_record(record: dict, log_path: str) -> None:
+    """The injector's lines for this episode, and its victims (ground truth from the injector)."""
+    events = [e for e in _read_log(log_path) if e.get("label") == record["label"]]
+    record["events"] = events
+    record["victims"] = sorted({v for e in events if e["event"] == "inject" for v in e["victims"]}
+                               | {e["rid"] for e in events if e["event"] == "victim"})
+
+
+def _watchdog(result: dict, save) -> None:
+    """When an SGLang child process dies (its scheduler raised), save what we have and exit 3.
+
+    SGLang's scheduler signals its parent on a crash, but a parent blocked on a reply that never comes
+    may not act on it for minutes; this thread makes a dead server a prompt, visible failure.
+    """
+    import threading
+
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+
+    def watch():
+        while True:
+            time.sleep(0.2)
+            if result.get("closing"):
+                return
+            dead = [c.pid for c in children if not c.is_running() or c.status() == psutil.STATUS_ZOMBIE]
+            if dead:
+                result["died"] = {"during": result.get("current"), "pids": dead, "time": time.time()}
+                save()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="faultlab-watchdog").start()
 
 
 def main(argv=None) -> int:
