@@ -193,8 +193,9 @@ class OverlapRowFree(RealBug):
     maintainers = ("process_batch_result(N-1) runs concurrently with forward(N); a finished request's req_pool_idx "
                    "went back to the free list at once, a new request recycled it and prepare_for_decode overwrote "
                    "the req_to_token row while forward(N) still read it (fix: defer the free one iteration)")
-    host = SGLANG_POOLS + ": SGLang's ReqToTokenPool hands the row out again; the engine is not overlapped, so the "
-    host += "finished request's in-flight read is replayed as a tracker check of the row after the new owner wrote it"
+    host = (SGLANG_POOLS + ": SGLang's ReqToTokenPool hands the row out again; the engine is not overlapped, so "
+            "the finished request's in-flight read is replayed as a tracker check of the row after the new owner "
+            "wrote it")
 
     def __init__(self):
         self.freed: dict[int, tuple[str, int, int]] = {}  # engine row -> (rid, entries, step it was freed)
@@ -207,7 +208,6 @@ class OverlapRowFree(RealBug):
         rows = (engine.table[:, :len(pages)] == want).all(1).nonzero().flatten().tolist()
         if len(rows) == 1:
             self.freed[rows[0]] = (request.rid, len(pages), engine.step_id)
-        return
 
     def apply(self, engine, rng, ctx):
         if ctx.kind != "prefill" or not ctx.requests:
