@@ -15,6 +15,10 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# faultlab's pytest plugin is opt-in (no pytest11 entry point: installing kvguard on a server must not
+# register it in every pytest run there); this is how a project that uses it turns it on.
+pytest_plugins = ["faultlab.pytest_plugin"]
+
 _LOADER_RESULT = None
 
 

@@ -109,6 +109,17 @@ def imported():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_runtime_install_pulls_nothing_of_faultlab():
+    """`pip install kvguard` (no extra) brings what KVGUARD_MODE=check runs, and registers no pytest plugin."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {dep.split(">")[0].split("=")[0].split("[")[0].strip().lower() for dep in project["dependencies"]}
+    assert runtime == {"torch", "triton", "numpy", "structlog", "prometheus-client"}
+    assert {"pytest", "hypothesis"} <= {d.split(">")[0].split("=")[0] for d in project["optional-dependencies"]["faultlab"]}
+    assert "pytest11" not in project.get("entry-points", {})
+
+
 def test_kvguard_ships_only_its_own_kernel():
     """kvguard/ is the production tracker: its one kernel is the check; the engine owns the others."""
     assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "tag_check.py"]

@@ -6,10 +6,20 @@ import pytest
 # imported twice in one process (it crashes), so everything the inner runs use is imported here first.
 import torch  # noqa: F401
 
+import triton  # noqa: F401  (the inner runs' engines and trackers import it)
+
+import faultlab.engine.engine  # noqa: F401
 import faultlab.faults.injector  # noqa: F401
 import kvguard  # noqa: F401
+import kvguard.kernels.tag_check  # noqa: F401
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True)
+def _uses_faultlab(pytester):
+    """Each inner project turns the plugin on the documented way (it is opt-in: no pytest11 entry point)."""
+    pytester.makeconftest('pytest_plugins = ["faultlab.pytest_plugin"]\n')
 
 SEED_TEST = """
 def test_seed(faultlab_seed):
