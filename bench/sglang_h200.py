@@ -219,7 +219,7 @@ def cmd_overhead(a) -> None:
         # -- first requests after start: the same batch twice on each fresh engine -----------------
         first = {}
         fw = dict(n=a.first_n, input_len=a.input_len, output_len=a.first_output, seed=a.seed + 7, vocab=vocab)
-        for mode in ("off", "check"):
+        for mode in (("off", "check") if a.first_n else ()):
             r1 = workers[mode].run(tag=f"first-{mode}", **fw)
             r2 = workers[mode].run(tag=f"second-{mode}", **fw)
             first[mode] = {"first": slim(r1), "second": slim(r2)}
@@ -612,6 +612,142 @@ def cmd_extras(a) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# report: raw JSONs from the GPU machine -> bench/results/sglang_h200*.json and the plot
+# ------------------------------------------------------------------------------------------------
+def fault_table(faults: dict) -> list[dict]:
+    """Per (engine mode, page size, class): episodes summed over seeds."""
+    table = {}
+    for eng in faults.get("engines", []):
+        for ep in eng["episodes"]:
+            key = (eng["mode"], eng["page_size"], ep["fault"])
+            row = table.setdefault(key, {"fault": ep["fault"], "kvguard": eng["mode"], "page_size": eng["page_size"],
+                                         "episodes": 0, "injected": 0, "victims": 0, "victims_aborted": 0,
+                                         "victims_corrupted": 0, "non_victim_mismatches": 0, "false_aborts": 0,
+                                         "unbalanced_after": 0, "requests": 0})
+            row["episodes"] += 1
+            row["injected"] += int(ep["injected"] and ep["fault"] != "none")
+            for k in ("victims", "victims_aborted", "victims_corrupted", "non_victim_mismatches", "false_aborts",
+                      "requests"):
+                row[k] += ep[k]
+            row["unbalanced_after"] += int(ep["balanced"] is False)
+        planned = {e["label"] for e in []}
+        del planned
+        if eng["completed"] < eng["planned"]:
+            # the episodes the engine never reached (its scheduler died, or the run was cut)
+            key = (eng["mode"], eng["page_size"], "_engine")
+            table.setdefault(key, {"fault": "(engine stopped early)", "kvguard": eng["mode"],
+                                   "page_size": eng["page_size"], "engine": eng["name"], "rc": eng["rc"],
+                                   "completed": eng["completed"], "planned": eng["planned"],
+                                   "log_tail": eng["log_tail"][-600:]})
+    return list(table.values())
+
+
+def rank_agreement(faults: dict) -> list[dict]:
+    """TP: per episode, the requests each rank's kvguard aborted (from the per-rank abort log)."""
+    out = []
+    for eng in faults.get("engines", []):
+        per = {}
+        for rec in eng.get("rank_aborts", []):
+            label = rec["rid"].rsplit("-", 1)[0]
+            per.setdefault(label, {}).setdefault(rec["rank"], set()).add(rec["rid"])
+        for ep in eng["episodes"]:
+            ranks = per.get(ep["label"], {})
+            sets = [sorted(v) for _, v in sorted(ranks.items())]
+            out.append({"engine": eng["name"], "label": ep["label"], "fault": ep["fault"],
+                        "ranks_reporting": sorted(ranks), "aborted_per_rank": {str(r): sorted(v) for r, v in ranks.items()},
+                        "agree": all(x == sets[0] for x in sets) if sets else True})
+    return out
+
+
+def cmd_report(a) -> None:
+    def load(name):
+        path = os.path.join(a.raw, name)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    over, faults, extras = load("overhead_h200.json"), load("faults_h200.json"), load("extras_h200.json")
+    out = {"command": "; ".join(x["command"] for x in (over, faults, extras) if x),
+           "sglang": (over or {}).get("environment", {}).get("sglang"), "environment": (over or {}).get("environment"),
+           "engine_kwargs": (over or {}).get("engine_kwargs"), "rows": [], "faults": []}
+    if over:
+        for r in over["rows"]:
+            out["rows"].append({k: r[k] for k in ("concurrency", "page_size", "input_len", "output_len")}
+                               | {k: r[k] for k in r if k.endswith("_ratio") or k.endswith("_range")
+                                  or k.endswith("_off") or k.endswith("_check") or k.startswith("n_")})
+        out["host_timing"] = over.get("host_timing")
+        out["first_requests_fresh_machine"] = {m: {k: v["wall_s"] for k, v in d.items()}
+                                               for m, d in (over.get("first_requests") or {}).items()}
+    if faults:
+        out["faults"] = fault_table(faults)
+    if extras:
+        out["kv_dtypes"] = {k: {x: v.get(x) for x in ("max_total_num_tokens", "requests_fit_at_context",
+                                                       "peak_concurrency", "peak_decode_tok_s", "peak_itl_p50_ms",
+                                                       "first_batch_s", "error", "skipped")}
+                            for k, v in (extras.get("kv_dtypes") or {}).items()}
+        fr = extras.get("first_requests_warm_cache") or {}
+        out["first_requests_warm_cache"] = {m: ({k: d[k]["wall_s"] for k in ("first", "second")}
+                                                | {"ttft_first": d["first"]["ttft_p99"], "ttft_second": d["second"]["ttft_p99"],
+                                                   "start_s": d.get("start_s")}) if isinstance(d, dict) and "first" in d else d
+                                            for m, d in fr.items()}
+        out["weights"] = {k: {x: v.get(x) for x in ("decode_tok_s", "itl_p50_ms", "error", "skipped")}
+                          for k, v in (extras.get("weights") or {}).items()}
+    with open(os.path.join(a.results, "sglang_h200.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    log(f"wrote {os.path.join(a.results, 'sglang_h200.json')}")
+    tp = load("overhead_tp4.json"), load("faults_tp4.json")
+    if any(tp):
+        o4, f4 = tp
+        out4 = {"command": "; ".join(x["command"] for x in tp if x), "tp_size": 4,
+                "environment": (o4 or f4 or {}).get("environment"), "rows": [], "faults": [], "rank_agreement": []}
+        if o4:
+            out4["rows"] = [{k: r[k] for k in r if not isinstance(r[k], (list, dict))} for r in o4["rows"]]
+            out4["host_timing"] = o4.get("host_timing")
+            out4["engine_kwargs"] = o4.get("engine_kwargs")
+        if f4:
+            out4["faults"] = fault_table(f4)
+            out4["rank_agreement"] = rank_agreement(f4)
+            out4["fault_runs"] = [{k: e[k] for k in ("name", "mode", "page_size", "rc", "started", "planned", "completed")}
+                                  for e in f4["engines"]]
+        with open(os.path.join(a.results, "sglang_h200_tp4.json"), "w") as f:
+            json.dump(out4, f, indent=1)
+        log(f"wrote {os.path.join(a.results, 'sglang_h200_tp4.json')}")
+    if over:
+        plot(over, os.path.join(a.results, "sglang_h200.png"))
+
+
+def plot(over: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = over["rows"]
+    fig, axes = plt.subplots(1, len(lib.METRICS), figsize=(4 * len(lib.METRICS), 3.6), sharey=True)
+    for ax, m in zip(axes, lib.METRICS):
+        for i, r in enumerate(rows):
+            runs = [x for x in over["runs"] if x["concurrency"] == r["concurrency"]]
+            base = r[f"{m}_off"]
+            for mode, dx, color in (("off", -0.12, "tab:blue"), ("check", 0.12, "tab:red")):
+                ys = [100 * (x[m] / base - 1) for x in runs if x["mode"] == mode]
+                ax.scatter([i + dx] * len(ys), ys, color=color, s=18, label=f"kvguard {mode}" if i == 0 else None)
+        ax.axhline(0, color="gray", lw=0.8)
+        for lim in (-1, 1):
+            ax.axhline(lim, color="gray", lw=0.6, ls=":")
+        ax.set_xticks(range(len(rows)), [f"c={r['concurrency']}" for r in rows])
+        ax.set_title(m.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("% vs median of kvguard-off runs")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("kvguard in SGLang 0.5.23 on one H200: 8B-shaped BF16, FP8 KV, page 16, CUDA graphs, 8192 in / 1000 out",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry
 # ------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
@@ -659,6 +795,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0)
     p.add_argument("--name", default="extras.json")
     p.set_defaults(func=cmd_extras)
+    p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
+    p.add_argument("--raw", default=os.path.join(RESULTS, "sglang_h200_raw"))
+    p.add_argument("--results", default=RESULTS)
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser("fault-engine", help=argparse.SUPPRESS)
     add_common(p)
     p.add_argument("--spec", required=True)

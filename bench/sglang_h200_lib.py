@@ -130,16 +130,31 @@ class Worker:
     def run(self, **workload) -> dict:
         return self.call("run", workload, timeout=workload.get("timeout", 600))
 
-    def stop(self, timeout: float = 90) -> None:
+    def stop(self, timeout: float = 90, graceful: bool = True) -> None:
         try:
-            if self.proc.is_alive():
+            if graceful and self.proc.is_alive() and self.info is not None:
                 self.call("stop", timeout=timeout)
         except Exception as e:  # noqa: BLE001 - report and make sure the process goes
             print(f"[{self.name}] stop: {e}", file=sys.stderr)
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        self.proc.join(10 if graceful and self.info is not None else 0.1)
+        kill_tree(self.proc.pid)
+        self.proc.join(5)
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a worker and every process below it (the engine's scheduler holds the GPU memory)."""
+    try:
+        import psutil
+
+        parent = psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+    except Exception:  # noqa: BLE001 - already gone
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 # ------------------------------------------------------------------------------------------------
