@@ -203,8 +203,35 @@ def parse(data: dict, path: str = "<memory>") -> Scenario:
 
 
 def load(path: str | Path) -> Scenario:
-    """Read and validate a scenario file (UTF-8 TOML)."""
+    """Read and validate a scenario file (UTF-8 TOML).
+
+    A scenario may start from another: ``base = "smoke.toml"`` (a path relative to this file) takes every
+    key of that scenario, and this file's keys override it, section by section and key by key.
+    """
     path = Path(path)
+    return parse(_read_with_base(path, ()), str(path))
+
+
+def _read_with_base(path: Path, chain: tuple[Path, ...]) -> dict:
+    data = _read(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base.strip():
+        raise ScenarioError(f"{path}: 'base' = {base!r} is not valid; give the path of another scenario file")
+    base_path = (path.parent / base).resolve()
+    if base_path in chain or base_path == path.resolve():
+        raise ScenarioError(f"{path}: 'base' = {base!r} makes a cycle ({' -> '.join(str(p) for p in chain)})")
+    merged = _read_with_base(base_path, (*chain, path.resolve()))
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read(path: Path) -> dict:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ScenarioError(f"scenario file {str(path)!r} {what}; give a .toml file (see scenarios/)")
@@ -217,7 +244,7 @@ def load(path: str | Path) -> Scenario:
         raise ScenarioError(f"scenario file {str(path)!r} cannot be read: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise ScenarioError(f"{path}: not valid TOML: {err}") from None
-    return parse(data, str(path))
+    return data
 
 
 def fault_available(cls, engine: EngineConfig) -> bool:
