@@ -51,8 +51,8 @@ class NoopTracker:
     def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
         """Size the tracker for a pool of ``num_pages`` pages (scratch page 0 included)."""
 
-    def on_alloc(self, pages: torch.Tensor) -> None:
-        """Pages handed out by the allocator."""
+    def on_alloc(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """Pages handed out by the allocator; returns the tag each slot of the allocation got (or None)."""
 
     def on_free(self, pages: torch.Tensor) -> None:
         """Pages returned to the allocator."""
@@ -66,8 +66,12 @@ class NoopTracker:
         ``on_alloc``); None reads the pages' current tags (pages shared from a prefix cache).
         """
 
-    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor) -> None:
-        """Vectorized :meth:`record`: ``expected[rows[i], cols[i]] = tag(pages[i])``."""
+    def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor,
+                    where: torch.Tensor | None = None, tags: torch.Tensor | None = None) -> None:
+        """Vectorized :meth:`record`: ``expected[rows[i], cols[i]] = tags[i]`` (default: ``tag(pages[i])``).
+
+        ``where`` (a bool mask, on the device: no sync) limits the update; other entries keep theirs.
+        """
 
     def drop(self, row: int) -> None:
         """Request slot ``row`` released its pages."""
@@ -171,11 +175,13 @@ class TagTracker(NoopTracker):
                                  f"valid pages are 0..{self.tags.num_pages - 1}")
 
     # -- bookkeeping events ------------------------------------------------------------------------
-    def on_alloc(self, pages: torch.Tensor) -> None:
+    def on_alloc(self, pages: torch.Tensor) -> torch.Tensor:
         self._require_attached()
         self._check_pages("on_alloc", pages)
         with self.lock:
-            self._local.fresh_tags = self.tags.bump(pages)  # [n] tag of each slot of this allocation
+            fresh = self.tags.bump(pages)  # [n] tag of each slot of this allocation (a page twice: two tags)
+            self._local.fresh_tags = fresh
+            return fresh
 
     def on_free(self, pages: torch.Tensor) -> None:
         self._require_attached()
@@ -201,7 +207,7 @@ class TagTracker(NoopTracker):
             self.expected_pages[row, first:first + count] = pages.to(self.expected_pages.device, torch.int32)
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor,
-                    where: torch.Tensor | None = None) -> None:
+                    where: torch.Tensor | None = None, tags: torch.Tensor | None = None) -> None:
         self._require_attached()
         if not rows.numel() == cols.numel() == pages.numel():
             raise ValueError(f"TagTracker.record_many: rows, cols and pages differ in length "
@@ -214,7 +220,8 @@ class TagTracker(NoopTracker):
         dev = self.expected.device
         rows, cols = rows.to(dev, torch.int64), cols.to(dev, torch.int64)
         with self.lock:
-            tags, pages32 = self.tags.gather(pages), pages.to(dev, torch.int32)
+            tags = self.tags.gather(pages) if tags is None else tags.to(dev, torch.int64)
+            pages32 = pages.to(dev, torch.int32)
             if where is not None:  # device mask, no sync: entries outside it keep their expectation
                 where = where.to(dev)
                 tags = torch.where(where, tags, self.expected[rows, cols])

@@ -299,3 +299,53 @@ def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig):
     new.mix_with_running(running)
     flagged = _flagged(new)[1]
     assert [item[0].rid for item in flagged] == [a.rid]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_handed_out_twice_in_one_allocation_flags_the_earlier_holder(make_rig, page_size):
+    rig = make_rig(page_size)
+    rig.install(registry=rig.registry)
+    ps = page_size
+    gone = rig.prefill(ps)
+    page = rig.pages_of(gone.reqs[0])[0]
+    rig.release(gone.reqs[0])
+    rig.allocator.free(rig.page_slots(page))  # the bug: a second free; the free list holds it twice
+    batch = rig.prefill(ps, ps)  # ONE allocation hands the page to both requests
+    first, second = batch.reqs
+    assert rig.pages_of(first)[0] == rig.pages_of(second)[0] == page
+    assert rig.verdict(batch) == {first.rid: 1, second.rid: 0}
+
+
+def test_stale_row_abort_gives_back_its_pages_and_tree_lock(make_rig):
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    prefix = [41 + i for i in range(32)]
+    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [1])])
+    rig.release(done.reqs[0], checkpoint=True)
+    matcher = rig.make_req(0, tokens=prefix + [2, 3, 4])
+    matcher.lock = rig.tree.lock(matcher.last_node)  # what SGLang's PrefillAdder does for a prefix hit
+    batch = rig.to_decode(rig.prefill(reqs=[matcher]), rig.prefill(40))
+    rig.decode(batch)
+    rig.sample(batch)
+    victim, other = batch.reqs
+    assert victim.kv.cache_protected_len == 32 and rig.tree.protected_size() == 32
+    rig.req_to_token_pool.free_rows([victim.kv.req_pool_idx])  # the bug: its row is released under it
+    newcomer = rig.prefill(24)
+    assert newcomer.reqs[0].kv.req_pool_idx == victim.kv.req_pool_idx
+    batch = rig.to_decode(batch, newcomer)
+    rig.decode(batch)
+    assert rig.verdict(batch) == {victim.rid: 1, other.rid: 0, newcomer.reqs[0].rid: 0}
+    newcomer_row = rig.row(newcomer.reqs[0]).clone()
+    _abort_flagged(rig, batch)
+    assert torch.equal(rig.row(newcomer.reqs[0]), newcomer_row)  # the newcomer's row is untouched
+    assert newcomer.reqs[0].kv.req_pool_idx not in rig.req_to_token_pool.free_slots
+    rig.sample(batch)
+    batch.filter_batch()
+    rig.decode(batch)
+    assert rig.verdict(batch) == {other.rid: 0, newcomer.reqs[0].rid: 0}
+    for req in batch.reqs:
+        rig.release(req)
+    # everything is back: free pages + the tree's evictable pages == the pool, and no lock is held
+    tree_pages = rig.tree.evictable_size() // 16
+    assert len(_free_pages(rig)) + tree_pages == rig.allocator.num_pages
+    assert rig.tree.protected_size() == 0

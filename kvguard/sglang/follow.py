@@ -46,8 +46,9 @@ class PoolFollower:
         # backends, the radix tree and the PD transfer all read; rewriting entries would corrupt their
         # view. A bad entry aborts its request instead, and its write slot is redirected (guard_writes).
         self.tracker = TagTracker(replace(config, mode="check", quarantine=False), registry)
-        self.tracker.attach(num_pages=self.num_pages + 1, num_rows=self.num_rows,
-                            max_entries=math.ceil(table.shape[1] / ps), device=self.device, page_size=ps)
+        self.max_pages = math.ceil(table.shape[1] / ps)
+        self.tracker.attach(num_pages=self.num_pages + 1, num_rows=self.num_rows, max_entries=self.max_pages,
+                            device=self.device, page_size=ps)
         # The tag each page carried when the radix tree adopted it (UNSET: not a tree page we saw). A
         # request that matches a tree prefix expects these tags, never the page's current tag: a tree
         # page freed while the tree still references it is then caught for every later match.
@@ -59,6 +60,10 @@ class PoolFollower:
         self._warned: set[str] = set()
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
+        self._fresh: torch.Tensor | None = None  # tags of the last allocation's slots, allocation order
+        # What each released row held, keyed by (row, SGLang's row generation): a request whose row was
+        # taken from it (stale row) still holds these pages and lock, and gives them back on abort.
+        self._released: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._raw: dict[str, Callable] = {}  # the allocator's unwrapped free entry points
         self._wrap_allocator()
         self._wrap_tree_cache()
@@ -124,7 +129,10 @@ class PoolFollower:
             else:
                 # merge_and_sort_free ran inside the call (need_sort, PD): free_pages was rebuilt.
                 pages = out[out % ps == 0] // ps
-            self.tracker.on_alloc(pages)
+            # The tag each slot of this allocation got, in allocation order (a page handed out twice in
+            # one call gets two tags; only the later holder's survives): recorded as each holder's
+            # expectation, so the earlier holder of a duplicated page is caught.
+            self._fresh = self.tracker.on_alloc(pages)
             return out
 
         alloc_wrapper.__wrapped__ = original
@@ -150,9 +158,16 @@ class PoolFollower:
             return
         free_rows = pool.free_rows
 
+        gens = getattr(pool, "req_generation", None)
+
         def _free_rows(indices):
             for row in indices:
-                self.drop(int(row))
+                row = int(row)
+                if gens is not None:
+                    self._released[(row, int(gens[row]))] = self.tracker.expectation(row, 0, self.max_pages)
+                    while len(self._released) > 2 * self.num_rows:  # bounded: the oldest go first
+                        self._released.pop(next(iter(self._released)))
+                self.drop(row)
             return free_rows(indices)
 
         pool.free_rows = _free_rows
@@ -190,7 +205,9 @@ class PoolFollower:
     def record_extend(self, batch, out_cache_loc, rows_cpu, held: list[bool]) -> None:
         """After alloc_for_extend: each request's row maps prefix pages + the pages just allocated."""
         ps, table = self.page_size, self.req_to_token_pool.req_to_token
-        offset = 0
+        offset, k = 0, 0
+        fresh = self._fresh_for(sum(max(0, -(-n // ps) - -(-p // ps)) for n, p in
+                                    zip(batch.seq_lens_cpu.tolist(), batch.prefix_lens)))
         seq_lens = batch.seq_lens_cpu.tolist()
         gens = getattr(self.req_to_token_pool, "req_generation", None)
         for i, (row, prefix_len, seq_len) in enumerate(zip(rows_cpu.tolist(), batch.prefix_lens, seq_lens)):
@@ -212,7 +229,9 @@ class PoolFollower:
             last = -(-seq_len // ps)
             if last > first_new:
                 idx = offset + torch.arange(first_new, last, device=out_cache_loc.device) * ps - prefix_len
-                self.tracker.record(row, first_new, out_cache_loc[idx].long() // ps)
+                tags = None if fresh is None else fresh[k:k + last - first_new]
+                self.tracker.record(row, first_new, out_cache_loc[idx].long() // ps, tags=tags)
+                k += last - first_new
             offset += seq_len - prefix_len
             self.known[row] = True
 
@@ -223,8 +242,24 @@ class PoolFollower:
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
         # never refresh it from the table (that would launder a swapped or freed entry). Device mask,
         # no sync.
+        new = pos % ps == 0
+        fresh, tags = self._fresh, None
+        if fresh is not None and fresh.numel():
+            # the k-th request that needs a new page got the allocation's k-th page (batch order)
+            k = (torch.cumsum(new.long(), 0) - 1).clamp(0, fresh.numel() - 1).to(fresh.device)
+            tags = fresh[k]
         self.tracker.record_many(batch.req_pool_indices, torch.div(pos, ps, rounding_mode="floor"),
-                                 out_cache_loc.long() // ps, where=pos % ps == 0)
+                                 out_cache_loc.long() // ps, where=new, tags=tags)
+
+    def _fresh_for(self, count: int) -> torch.Tensor | None:
+        """The last allocation's slot tags, if it handed out exactly ``count`` pages (else None: current tags)."""
+        fresh = self._fresh
+        if fresh is None or fresh.numel() != count:
+            if count:
+                self.warn_once("fresh", f"kvguard: an extend allocated {0 if fresh is None else fresh.numel()} "
+                                        f"pages where {count} were expected; recording current tags")
+            return None
+        return fresh
 
     def legit_pages(self, req) -> list[int]:
         """Pages the request may give back: recorded for it past the tree's part, tags unchanged.
@@ -264,6 +299,29 @@ class PoolFollower:
         if left:
             ids = torch.tensor(left, dtype=torch.int64, device=self.device)
             self._raw["free_page_ids"](ids)
+
+    def release_stale(self, req, tree_cache) -> None:
+        """Release a request whose row SGLang gave to another request while it still ran (stale row).
+
+        Its row is the new owner's now: it is neither read nor freed. What the request still holds (its
+        pages as recorded when the row was released, tags unchanged, past the tree's part; its tree lock)
+        goes back, so SGLang's pool accounting ends as after a clean finish.
+        """
+        ps, row = self.page_size, req.kv.req_pool_idx
+        key = (int(row), getattr(req, "kvguard_row_generation", -1)) if row is not None else None
+        pages, tags = self._released.pop(key, (None, None)) if key is not None else (None, None)
+        if pages is not None:
+            first, end = int(req.kv.cache_protected_len) // ps, -(-int(req.kv.kv_allocated_len) // ps)
+            pages, tags = pages[first:end], tags[first:end]
+            held = (tags != UNSET) & (self.tracker.current_tags(pages).to(tags.device) == tags)
+            ids = sorted(set(pages[held].tolist()))
+            if ids:
+                self._raw["free_page_ids"](torch.tensor(ids, dtype=torch.int64, device=self.device))
+        if tree_cache is not None and getattr(req, "lock", None) is not None:
+            tree_cache.unlock(req.lock)
+            req.lock = None
+        req.kv.req_pool_idx = None  # the row stays with its new owner
+        req.kv.mark_kv_released()
 
     def _filter(self, ids: torch.Tensor, unit: int, slots: bool = False) -> torch.Tensor:
         """Pass ``ids`` (slots or page ids; ``unit`` slots per id) through, or keep only held pages."""

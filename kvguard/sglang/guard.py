@@ -144,13 +144,10 @@ class SGLangGuard(PoolFollower):
                 continue  # overlap: finished/retracted requests reappear for one tick
             log.error(message)
             prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-            mark_aborted(req)
+            mark_aborted(req, stale)
             if stream is not None:
                 stream([req], req.return_logprob)
-            if not stale:
-                with self.releasing(req):
-                    release_kv_cache(req, tree_cache, checkpoint=False)
-            # else: the row and its pages belong to their new owner; releasing them would free its KV
+            release_kv_cache(req, tree_cache, checkpoint=False)  # hooked: releasing() / release_stale()
             aborted.append(req)
         if aborted:
             self.tracker.note_aborted(len(aborted))
@@ -169,20 +166,21 @@ class SGLangGuard(PoolFollower):
 
         out = []
         for req, message, stale in flagged:
-            if req.finished() or stale:
+            if req.finished():
                 continue
             log.error(message)
             req.discard_output_reason = FINISH_ABORT(message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-            mark_aborted(req)
+            mark_aborted(req, stale)
             out.append(req)
         if out:
             self.tracker.note_aborted(len(out))
         return out
 
 
-def mark_aborted(req) -> None:
+def mark_aborted(req, stale: bool = False) -> None:
     req.skip_radix_cache_insert = True  # never publish this KV to the radix tree
     req.kvguard_aborted = True
+    req.kvguard_stale = stale  # its row belongs to another request now: released without touching it
 
 
 def _all_reduce_max(flags: list[int], group) -> list[int]:

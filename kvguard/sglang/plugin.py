@@ -214,6 +214,7 @@ def _around_alloc_for_extend(original, batch, *args, **kwargs):
     if guard is None:
         return original(batch, *args, **kwargs)
     held = [req.kv.holds_kv for req in batch.reqs]
+    guard._fresh = None  # set again by this batch's allocation, if it allocates
     result = original(batch, *args, **kwargs)
     out_cache_loc, _, rows_cpu = result
     # NOTE: this is where a request's row gets its pages, and the only place that knows which of the
@@ -249,6 +250,8 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     guard = guard_of(tree_cache) if getattr(req, "kvguard_aborted", False) else None
     if guard is None:
         return original(req, tree_cache, *args, **kwargs)
+    if getattr(req, "kvguard_stale", False):
+        return guard.release_stale(req, tree_cache)  # SGLang's release would free another request's row
     with guard.releasing(req):
         return original(req, tree_cache, *args, **kwargs)
 
