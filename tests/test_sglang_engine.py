@@ -8,7 +8,8 @@ decoding. One engine serves many episodes: a fault-free one first, then one per 
 injector picks requests, pages and entries from a seed and logs the victims it corrupted: ground
 truth, never read from kvguard). The radix cache is flushed between episodes.
 
-Asserted end to end with ``KVGUARD_MODE=check`` (page sizes 16 and 1):
+Asserted end to end with ``KVGUARD_MODE=check``, at page size 16 (SGLang's default overlap scheduler)
+and page size 1 (the normal, non-overlap event loop):
 * the fault-free episode: no request gets an error;
 * per fault class: exactly the injector's victims get an error, every other request's output token
   ids equal the fault-free episode's, and SGLang's own idle accounting check (logged by the
@@ -86,8 +87,9 @@ def _run_engine(tmp_path_factory, name: str, base: dict, classes) -> dict:
     return {"episodes": episodes, "deaths": deaths, "runs": runs}
 
 
-def _base(page_size: int, mode: str) -> dict:
-    return {"page_size": page_size, "radix": True, "env": {"KVGUARD_MODE": mode}, "log_level": "error"}
+def _base(page_size: int, mode: str, overlap: bool = True) -> dict:
+    return {"page_size": page_size, "radix": True, "overlap": overlap, "env": {"KVGUARD_MODE": mode},
+            "log_level": "error"}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,8 @@ def check16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def check1(tmp_path_factory):
-    return _run_engine(tmp_path_factory, "check1", _base(1, "check"), CLASSES_PS1)
+    # page size 1 runs SGLang's normal (non-overlap) event loop: both loops' abort paths are covered
+    return _run_engine(tmp_path_factory, "check1", _base(1, "check", overlap=False), CLASSES_PS1)
 
 
 @pytest.fixture(scope="module")
