@@ -198,3 +198,21 @@ def test_bogus_mode_stops_the_engine(tmp_path):
     assert rc != 0, "the engine served with KVGUARD_MODE=bogus"
     assert result is None or not result.get("started"), "the engine started with KVGUARD_MODE=bogus"
     assert "KVGUARD_MODE" in stderr and "bogus" in stderr, stderr
+
+
+def test_clean_soak_page16_no_false_aborts(tmp_path):
+    """>= 1,000 fault-free decode batches (12 requests per episode, 160/96 new tokens) with kvguard on:
+    no request aborted, every episode's tokens equal the first's, accounting balanced after each."""
+    spec = {**_base(16, "check"), "workload": {"n1": 8, "n2": 4, "new1": 160, "new2": 96},
+            "episodes": [{"label": f"soak{i}", "fault": None} for i in range(7)]}
+    rc, result, stderr = _harness(spec, tmp_path, "soak")
+    assert rc == 0 and result and not result.get("died"), f"rc {rc}:\n{_last_error(stderr)}"
+    first = _by_index(result["episodes"][0])
+    for ep in result["episodes"]:
+        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+        assert errors == {}, f"{ep['label']}: false aborts {errors}"
+        assert {i: r["output_ids"] for i, r in _by_index(ep).items()} == {
+            i: r["output_ids"] for i, r in first.items()}, ep["label"]
+        _assert_balanced({"deaths": {}}, ep)
+    steps = max(e["decode_steps"] for e in result["events"] if e["event"] == "idle_check")
+    assert steps >= 1000, f"only {steps} decode batches"

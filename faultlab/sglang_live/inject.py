@@ -186,6 +186,7 @@ class _State:
     last_idle: Any = None
     last_idle_time: float = 0.0
     registered = False
+    decode_steps = 0  # decode batches prepared in this process (reported on idle_check lines)
 
 
 def register(env=None) -> bool:
@@ -268,7 +269,7 @@ def _after_check_all_pools(result, checker, *args, **kwargs):
     if state != _State.last_idle or now - _State.last_idle_time > 0.3:
         _State.last_idle, _State.last_idle_time = state, now
         _log("idle_check", leak=bool(has_leak), messages=list(messages), req_free=len(rpool.free_slots),
-             req_total=req_total, free_dups=dups,
+             req_total=req_total, free_dups=dups, decode_steps=_State.decode_steps,
              balanced=not has_leak and len(rpool.free_slots) == req_total and dups == 0)
     return None
 
@@ -297,6 +298,7 @@ def _seq_len(req) -> int:
 def _before_prepare_for_decode(batch, *args, **kwargs):
     if batch.is_empty():
         return None
+    _State.decode_steps += 1
     for entry in _State.plan:
         if entry.armed or entry.done:
             continue
