@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from faultlab.demo import ENGINE, PROMPTS
-from faultlab.engine.engine import Engine
+from faultlab.engine.factory import make_engine
 from faultlab.engine.requests import Request
 from kvguard import NoopTracker, TagTracker, TrackerConfig
 
@@ -33,7 +33,7 @@ SPLIT = replace(ENGINE, phase_split=True, prefill_kv_dtype="bf16", transfer_lag=
 
 def generate(config, max_tokens: int, forced: dict | None = None):
     """(texts' token ids per prompt, argmax per step when ``forced`` feeds the tokens)."""
-    engine = Engine(config)
+    engine = make_engine(config)
     tok = engine.tokenizer
     argmax: dict[str, list[int]] = {}
     if forced is not None:

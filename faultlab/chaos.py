@@ -10,6 +10,7 @@ from kvguard import NoopTracker, TagTracker, TrackerConfig
 from prometheus_client import CollectorRegistry
 
 from .engine.engine import Engine
+from .engine.factory import make_engine
 from .engine.requests import Request
 from .faults.injector import Injector
 from .oracle import Oracle
@@ -101,7 +102,7 @@ def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
         injector = Injector(fault, trigger or scenario.faults.trigger_for(rng),
                             count or scenario.faults.count, seed)
         observers.insert(0, injector)
-    engine = Engine(engine_cfg, tracker=_tracker(tracker_on), observers=observers)
+    engine = make_engine(engine_cfg, tracker=_tracker(tracker_on), observers=observers)
     arrivals = make_workload(scenario, seed, engine.model.config.vocab)
     requests = [r for _, r in arrivals]
     _drive(engine, arrivals)

@@ -269,7 +269,8 @@ def _tokenizer_model(flag: str, name: str):
 
 
 def cmd_generate(args) -> int:
-    from .engine.engine import Engine, EngineConfig
+    from .engine.engine import EngineConfig
+    from .engine.factory import make_engine
     from .engine.requests import Request
     from .validate import check_tokens
 
@@ -281,7 +282,7 @@ def cmd_generate(args) -> int:
                           kv_residual=args.kv_residual)  # a bad combination: ConfigError, exit 2
     context = min(config.max_context, mc.max_context)
     check_tokens("--max-tokens", args.max_tokens, 1, context - 1)
-    engine = Engine(config)
+    engine = make_engine(config)
     tok = engine.tokenizer
     request = Request("cli", tok.encode(args.prompt, add_bos=False), args.max_tokens, stop_ids=(tok.eos_id,))
     if request.pages_needed(engine.page_size) > min(engine.max_pages, engine.num_pages):

@@ -14,7 +14,8 @@ from pathlib import Path
 from kvguard import NoopTracker
 
 from .chaos import CaseResult, SGLangStyleChecks, _drive, _judge, checking_tracker
-from .engine.engine import Engine, EngineConfig
+from .engine.engine import EngineConfig
+from .engine.factory import make_engine
 from .engine.requests import Request
 from .faults.injector import Injector, Trigger
 from .oracle import Oracle
@@ -58,7 +59,7 @@ def _run(fault: str | None, tracker_on: bool, max_tokens: int, seed: int, baseli
     oracle, checks = Oracle(), SGLangStyleChecks()
     injector = Injector(fault, Trigger(mode="step", step=4), count=1, seed=seed) if fault else None
     tracker = checking_tracker(log=True) if tracker_on else NoopTracker()
-    engine = Engine(ENGINE, tracker=tracker, observers=[o for o in (injector, oracle, checks) if o])
+    engine = make_engine(ENGINE, tracker=tracker, observers=[o for o in (injector, oracle, checks) if o])
     arrivals = _requests(engine.tokenizer, max_tokens)
     _drive(engine, arrivals)
     requests = [r for _, r in arrivals]

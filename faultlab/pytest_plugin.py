@@ -310,10 +310,11 @@ def _tracker_for(tracker):
 def build_engine(model: str = "tiny", tracker=True, observers=(), **overrides):
     """An Engine for ``model`` with a TagTracker (``tracker=True``), a NoopTracker (False) or the
     given tracker; ``overrides`` are EngineConfig fields."""
-    from faultlab.engine.engine import Engine, EngineConfig
+    from faultlab.engine.engine import EngineConfig
+    from faultlab.engine.factory import make_engine
 
-    return Engine(EngineConfig(model=model, **overrides), tracker=_tracker_for(tracker),
-                  observers=list(observers))
+    return make_engine(EngineConfig(model=model, **overrides), tracker=_tracker_for(tracker),
+                       observers=list(observers))
 
 
 @pytest.fixture

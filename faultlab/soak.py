@@ -3,7 +3,7 @@ import sys
 import time
 
 from .chaos import _drive, checking_tracker, make_workload
-from .engine.engine import Engine
+from .engine.factory import make_engine
 from .report import write_json
 from .scenario import load
 
@@ -38,7 +38,7 @@ def run_soak(args) -> int:
     for seed in bar:
         counter = _Counter()
         tracker = checking_tracker(log=True)
-        engine = Engine(engine_cfg, tracker=tracker, observers=[counter])
+        engine = make_engine(engine_cfg, tracker=tracker, observers=[counter])
         _drive(engine, make_workload(scenario, seed, engine.model.config.vocab))
         total += counter.request_steps
         steps += engine.step_id

@@ -40,7 +40,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from faultlab.engine.engine import Engine, EngineConfig, load_model  # noqa: E402
+from faultlab.engine.engine import EngineConfig, load_model  # noqa: E402
+from faultlab.engine.factory import make_engine  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.scenario import Scenario, WorkloadSpec  # noqa: E402
 from faultlab.chaos import _drive  # noqa: E402
@@ -187,7 +188,6 @@ def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
     from kvguard.distributed import RankTracker
     from prometheus_client import CollectorRegistry
 
-    from faultlab.engine.tp import TPEngine
     from faultlab.faults.injector import Injector, Trigger
     from faultlab.oracle import Oracle
 
@@ -198,8 +198,8 @@ def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
         observers.append(injector)
     tracker = RankTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry(), group=group,
                           combine=spec.combine, piggyback=spec.piggyback)
-    engine = TPEngine(rank_engine(spec, dist.get_rank(group)), tracker=tracker, observers=[*observers, oracle],
-                      group=group, verify_schedule=spec.verify_schedule)
+    engine = make_engine(rank_engine(spec, dist.get_rank(group)), tracker=tracker, observers=[*observers, oracle],
+                         tp=True, group=group, verify_schedule=spec.verify_schedule)
     arrivals = make_arrivals(spec, seed)
     _drive(engine, arrivals)
     rep = oracle.report
@@ -290,7 +290,7 @@ def single_process(spec: RunSpec, seed: int) -> dict:
     """The fault-free outputs of the same workload on the single-process engine."""
     from faultlab.chaos import _drive as drive
 
-    engine = Engine(rank_engine(spec, 0))
+    engine = make_engine(rank_engine(spec, 0))
     arrivals = make_arrivals(spec, seed)
     drive(engine, arrivals)
     return {r.rid: [r.status, list(r.output)] for _, r in arrivals}

@@ -195,3 +195,73 @@ def test_source_checker_sees_imports(tmp_path):
                      "    __import__('kvguard.tags')\n")
     assert sorted(imports_of(probe)) == sorted([(0, "faultlab.x"), (0, "kvguard"), (1, ""), (2, ""),
                                                 (0, "importlib"), (0, "faultlab"), (0, "kvguard.tags")])
+
+
+# -- no import cycles ---------------------------------------------------------------------------------------
+def _module_graph() -> dict[str, set[str]]:
+    """Project module -> project modules it imports (at module level or inside functions)."""
+    files = {}
+    for pkg in ("kvguard", "faultlab"):
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            if ".".join(parts[:k]) in files:
+                return ".".join(parts[:k])
+        return None
+
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from pkg import sub` depends on pkg.sub when that is a module, else on pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            deps |= {t for t in map(known, targets) if t and t != mod}
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    graph, cycles = _module_graph(), []
+    index, low, stack, on_stack, counter = {}, {}, [], set(), [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == [], f"import cycles: {cycles}"
+    assert "faultlab.engine.engine" in graph and graph["faultlab.engine.engine"]  # the scan sees imports

@@ -10,6 +10,7 @@ from faultlab import chaos
 from faultlab.chaos import checking_tracker, run_case
 from faultlab.cli import _load_classes
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
+from faultlab.engine.factory import make_engine
 from faultlab.engine.phase_split import PhaseSplitEngine
 from faultlab.oracle import Oracle
 from faultlab.scenario import ScenarioError, fault_classes, load, parse
@@ -23,7 +24,7 @@ SPLIT = replace(TINY, phase_split=True, prefill_kv_dtype="bf16")
 
 def _outputs(config, requests, forced=None):
     """Greedy outputs; with ``forced`` (rid -> tokens) feed those tokens and record each step's argmax."""
-    engine = Engine(config)
+    engine = make_engine(config)
     argmax = {}
     if forced is not None:
         def sample(request, logits):
@@ -61,8 +62,10 @@ def test_fp8_decode_top1_agreement_with_single_pool(capsys):
 
 
 def test_engine_dispatch_and_config():
-    assert type(Engine(TINY)) is Engine
-    assert isinstance(Engine(SPLIT), PhaseSplitEngine)
+    assert type(make_engine(TINY)) is Engine
+    assert isinstance(make_engine(SPLIT), PhaseSplitEngine)
+    with pytest.raises(ConfigError, match="make_engine"):  # no silent class swap
+        Engine(SPLIT)
     with pytest.raises(ConfigError, match="transfer_lag"):
         EngineConfig(phase_split=True, transfer_lag=0)
     with pytest.raises(ConfigError, match="prefill_kv_dtype"):
@@ -90,7 +93,7 @@ def _strike_in_flight(tracker):
 
     Returns (receiver, others, outsider pages' bytes before, after, the second step's events).
     """
-    engine = Engine(SPLIT, tracker=tracker)
+    engine = make_engine(SPLIT, tracker=tracker)
     reqs = random_requests(3, seed=5, shared=0.0, max_new=(4, 16))
     for r in reqs:
         engine.add_request(r)

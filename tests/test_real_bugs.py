@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from faultlab.chaos import checking_tracker, run_case
-from faultlab.engine.engine import Engine
+from faultlab.engine.factory import make_engine
 from faultlab.engine.requests import Request
 from faultlab.faults.catalog import FAULTS
 from faultlab.oracle import Oracle
@@ -121,7 +121,7 @@ def test_pd_abort_late_write_never_reaches_the_new_owner(cases):
 
 def _hit_after_free(scenario, guarded: bool):
     """A prefix is published, its page freed under the tree and handed out again, then hit: the hit's check."""
-    engine = Engine(scenario.engine, tracker=checking_tracker(), observers=[Oracle()])
+    engine = make_engine(scenario.engine, tracker=checking_tracker(), observers=[Oracle()])
     if not guarded:
         engine.cache.tagger = None
     ps = engine.page_size

@@ -110,16 +110,10 @@ def load_model(name: str, weight_dtype: str, backend: str, device: str, seed: in
 class Engine:
     """Continuous batching over a paged KV cache, with a kvguard tracker (no-op by default)."""
 
-    def __new__(cls, config: EngineConfig = EngineConfig(), *args, **kwargs):
-        # NOTE: `Engine(EngineConfig(phase_split=True))` builds the phase-split engine, so every caller
-        # (chaos runner, demo, CLI) gets it from the config alone, without a factory to switch to.
-        if cls is Engine and config.phase_split:
-            from .phase_split import PhaseSplitEngine
-
-            cls = PhaseSplitEngine
-        return super().__new__(cls)
-
     def __init__(self, config: EngineConfig = EngineConfig(), tracker=None, observers=()):
+        if config.phase_split and type(self) is Engine:
+            raise ConfigError("engine.phase_split = true needs the phase-split engine: build engines with "
+                              "faultlab.engine.factory.make_engine(config, ...)")
         self.config = config
         self.device = torch.device(config.device)
         self.model, self.tokenizer = self._load_model()

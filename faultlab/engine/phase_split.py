@@ -1,6 +1,6 @@
 """Phase split in one process: prefill on its own KV pool (BF16), decode on the engine's pool (FP8).
 
-``Engine(EngineConfig(phase_split=True, ...))`` builds a ``PhaseSplitEngine``. Each admitted request:
+``make_engine(EngineConfig(phase_split=True, ...))`` builds a ``PhaseSplitEngine``. Each admitted request:
 
 1. gets its decode row and pages as in the single-pool engine (``Engine._place``: prefix match, fresh
    pages, tracker record), and the tracker snapshots the fresh pages' tags (``transfer_issue``: a ticket);
