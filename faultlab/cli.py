@@ -128,7 +128,7 @@ def _load_classes(args, scenario, all_classes: bool) -> list[str]:
         if not all(names):
             raise UsageError(f"--faults {args.faults!r} is not valid; give comma-separated fault names "
                              f"(see `faultlab faults`) or 'all'")
-        return check_classes(names, scenario.engine, where="--faults")  # the checks a TOML list gets
+        return check_classes(names, scenario.engine, where="--faults", suite=scenario.faults.suite)  # the checks a TOML list gets
     if all_classes:
         return available_faults(scenario.engine, scenario.faults.suite)  # of its suite, as its engine can host
     return fault_classes(scenario)

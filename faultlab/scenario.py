@@ -147,12 +147,13 @@ def _section(name: str, cls, table) -> object:
 RUNNERS = {"tp": "python -m faultlab.tp_run"}  # fault requirements met outside scenarios, and where
 
 
-def check_classes(names, engine: EngineConfig, where: str = "[faults].classes") -> list[str]:
+def check_classes(names, engine: EngineConfig, where: str = "[faults].classes",
+                  suite: str = "catalog") -> list[str]:
     """``names`` (a scenario's or ``--faults``'s) as fault classes ``engine`` can host; ``all`` alone = every
-    one it can host. Unknown, repeated or unhostable names raise ScenarioError naming ``where``."""
+    one of ``suite`` it can host. Unknown, repeated or unhostable names raise ScenarioError naming ``where``."""
     names = list(names)
     if names == ["all"]:
-        return available_faults(engine)
+        return available_faults(engine, suite)
     valid = f"valid: ['all' (alone), {', '.join(repr(n) for n in sorted(FAULTS))}]"
     bad = [c for c in names if c not in FAULTS]
     if bad:
@@ -196,7 +197,7 @@ def parse(data: dict, path: str = "<memory>") -> Scenario:
         raise ScenarioError(f"{path}: 'description' = {data['description']!r} is not valid; it must be a string")
     parts = {k: _section(k, cls, data.get(k, {})) for k, cls in SECTIONS.items()}
     faults = parts["faults"]
-    check_classes(faults.classes, parts["engine"])
+    check_classes(faults.classes, parts["engine"], suite=faults.suite)
     check_trigger(faults)
     check_seed_range(faults.first_seed, faults.seeds)
     return Scenario(name=data["name"], description=data.get("description", ""), path=path, **parts)
@@ -259,4 +260,4 @@ def available_faults(engine: EngineConfig, suite: str = "catalog") -> list[str]:
 
 def fault_classes(scenario: Scenario) -> list[str]:
     """The fault names a scenario asks for (``["all"]`` = every available one)."""
-    return check_classes(scenario.faults.classes, scenario.engine)
+    return check_classes(scenario.faults.classes, scenario.engine, suite=scenario.faults.suite)

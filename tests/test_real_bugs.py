@@ -139,3 +139,15 @@ def _hit_after_free(scenario, guarded: bool):
 def test_hit_guard_catches_a_prefix_freed_under_the_tree(scenario):
     assert _hit_after_free(scenario, guarded=True)["c"] == "aborted"
     assert _hit_after_free(scenario, guarded=False)["c"] == "finished", "without it the hit records the new tag"
+
+
+def test_all_in_a_real_bugs_scenario_selects_the_replays():
+    from faultlab.scenario import fault_classes
+
+    scenario = load(Path(__file__).resolve().parent.parent / "scenarios" / "real_bugs.toml")
+    everything = parse({"name": "x", "engine": {**{k: getattr(scenario.engine, k) for k in
+                                                   ("phase_split", "memory", "prefill_kv_dtype")}},
+                        "faults": {"classes": ["all"], "suite": "real_bugs"}})
+    chosen = fault_classes(everything)
+    assert chosen and all(FAULTS[c].suite == "real_bugs" for c in chosen)
+    assert set(fault_classes(scenario)) <= set(chosen)
