@@ -140,6 +140,9 @@ class Engine:
         self.observers = list(observers)
         self.allocator, self.req_pool = self._build_memory(num_pages)
         self.cache = RadixCache(self.allocator, config.page_size, enabled=config.prefix_cache)
+        # NOTE: the hit guard (radix.py): cached pages carry their tag from insert to every hit, so a
+        # prefix whose page changed hands while the tree still referenced it fails its sharers' checks.
+        self.cache.tagger = self.tracker.transfer_issue
         self.tracker.attach(num_pages=num_pages + 1, num_rows=config.max_running,
                             max_entries=self.max_pages, device=config.device, page_size=config.page_size)
         self.waiting: list[Request] = []
@@ -260,7 +263,12 @@ class Engine:
         return pages, self.tracker.fresh_tags
 
     def _grant(self, request: Request, first: int, pages: torch.Tensor, tags=None, shared: int = 0) -> None:
-        """Map logical pages first.. of the request's row to ``pages`` and tell the tracker."""
+        """Map logical pages first.. of the request's row to ``pages`` and tell the tracker.
+
+        A prefix-cache hit (``shared``) records the tags its nodes were inserted with (the hit guard).
+        """
+        if shared and tags is None:
+            tags = self.cache.hit_tags(request.nodes[first:first + pages.numel()])
         previous = self.table[request.row, first:first + pages.numel()].tolist()  # stale entries
         self.req_pool.write(request.row, first, pages)
         self.tracker.record(request.row, first, pages, tags)
@@ -284,7 +292,7 @@ class Engine:
         n_total = -(-len(request.prompt) // ps)
         new, fresh = self._alloc(n_total - request.n_shared)
         if request.n_shared:
-            self._grant(request, 0, shared, shared=request.n_shared)  # current tags of cached pages
+            self._grant(request, 0, shared, shared=request.n_shared)  # the tags the nodes were inserted with
         self._grant(request, request.n_shared, new, fresh)
         return n_total, new
 

@@ -55,15 +55,6 @@ class PhaseSplitEngine(Engine):
         self.in_flight: dict[str, Transfer] = {}  # rid -> transfer, in issue order
         super().__init__(config, tracker, observers)
         self._build_prefill_side()
-        # NOTE: the hit guard (radix.py): cached pages carry their tag from insert to every hit, so a
-        # prefix whose page changed hands while the tree still referenced it fails its sharers' checks.
-        self.cache.tagger = self.tracker.transfer_issue
-
-    def _grant(self, request: Request, first: int, pages: torch.Tensor, tags=None, shared: int = 0) -> None:
-        """As the engine's, but a prefix-cache hit records the tags its nodes were inserted with."""
-        if shared and tags is None:
-            tags = self.cache.hit_tags(request.nodes[first:first + pages.numel()])
-        super()._grant(request, first, pages, tags, shared)
 
     def _build_prefill_side(self) -> None:
         c = self.config
