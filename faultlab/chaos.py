@@ -105,11 +105,11 @@ def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
     engine = make_engine(engine_cfg, tracker=_tracker(tracker_on), observers=observers)
     arrivals = make_workload(scenario, seed, engine.model.config.vocab)
     requests = [r for _, r in arrivals]
-    _drive(engine, arrivals)
-    return _judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline)
+    drive(engine, arrivals)
+    return judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline)
 
 
-def _drive(engine: Engine, arrivals, max_steps: int | None = None) -> None:
+def drive(engine: Engine, arrivals, max_steps: int | None = None) -> None:
     """Add each request at its arrival step and step the engine until every request has ended.
 
     ``max_steps`` (default: the last arrival plus, per request, its prompt and output tokens and two
@@ -129,7 +129,7 @@ def _drive(engine: Engine, arrivals, max_steps: int | None = None) -> None:
             raise RuntimeError(f"chaos run did not finish in {max_steps} steps")
 
 
-def _judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline) -> CaseResult:
+def judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline) -> CaseResult:
     rep = oracle.report
     result = CaseResult(
         fault=fault, seed=seed, tracker="on" if tracker_on else "off",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvguard import NoopTracker
 
-from .chaos import CaseResult, SGLangStyleChecks, _drive, _judge, checking_tracker
+from .chaos import CaseResult, SGLangStyleChecks, drive, judge, checking_tracker
 from .engine.engine import EngineConfig
 from .engine.factory import make_engine
 from .engine.requests import Request
@@ -61,9 +61,9 @@ def _run(fault: str | None, tracker_on: bool, max_tokens: int, seed: int, baseli
     tracker = checking_tracker(log=True) if tracker_on else NoopTracker()
     engine = make_engine(ENGINE, tracker=tracker, observers=[o for o in (injector, oracle, checks) if o])
     arrivals = _requests(engine.tokenizer, max_tokens)
-    _drive(engine, arrivals)
+    drive(engine, arrivals)
     requests = [r for _, r in arrivals]
-    return engine, requests, _judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline)
+    return engine, requests, judge(fault, seed, tracker_on, engine, requests, oracle, checks, injector, baseline)
 
 
 def _text(tokenizer, request: Request) -> str:

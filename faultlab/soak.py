@@ -2,7 +2,7 @@
 import sys
 import time
 
-from .chaos import _drive, checking_tracker, make_workload
+from .chaos import drive, checking_tracker, make_workload
 from .engine.factory import make_engine
 from .report import write_json
 from .scenario import load
@@ -39,7 +39,7 @@ def run_soak(args) -> int:
         counter = _Counter()
         tracker = checking_tracker(log=True)
         engine = make_engine(engine_cfg, tracker=tracker, observers=[counter])
-        _drive(engine, make_workload(scenario, seed, engine.model.config.vocab))
+        drive(engine, make_workload(scenario, seed, engine.model.config.vocab))
         total += counter.request_steps
         steps += engine.step_id
         aborts += counter.aborts

@@ -44,7 +44,7 @@ from faultlab.engine.engine import EngineConfig, load_model  # noqa: E402
 from faultlab.engine.factory import make_engine  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.scenario import Scenario, WorkloadSpec  # noqa: E402
-from faultlab.chaos import _drive  # noqa: E402
+from faultlab.chaos import drive  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
     engine = make_engine(rank_engine(spec, dist.get_rank(group)), tracker=tracker, observers=[*observers, oracle],
                          tp=True, group=group, verify_schedule=spec.verify_schedule)
     arrivals = make_arrivals(spec, seed)
-    _drive(engine, arrivals)
+    drive(engine, arrivals)
     rep = oracle.report
     return {"aborts": dict(rep.aborted_by_tracker), "victims": dict(rep.victims), "steps": engine.step_id,
             "checks": engine.verdict_checks, "verdict_rides": engine.verdict_rides,
@@ -288,7 +288,7 @@ def _join(proc, end: float) -> bool:
 
 def single_process(spec: RunSpec, seed: int) -> dict:
     """The fault-free outputs of the same workload on the single-process engine."""
-    from faultlab.chaos import _drive as drive
+    from faultlab.chaos import drive
 
     engine = make_engine(rank_engine(spec, 0))
     arrivals = make_arrivals(spec, seed)

@@ -32,7 +32,7 @@ class InvariantChecker:
         assert not set(free) & (set(owners) | set(cached)), "a free page is in use"
         acct = engine.accounting()
         assert acct["balanced"], acct
-        assert all(n.lock_ref >= 0 for n in engine.cache._nodes())
+        assert all(n.lock_ref >= 0 for n in engine.cache.nodes())
 
 
 @pytest.mark.parametrize("tracker", [False, True])

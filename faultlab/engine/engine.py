@@ -149,7 +149,7 @@ class Engine:
         self.running: list[Request] = []
         self.done: list[Request] = []
         self.step_id = 0
-        self._emit("on_engine", engine=self)
+        self.emit("on_engine", engine=self)
 
     def _load_model(self):
         """(model, tokenizer) of this engine; a subclass may build another model (a TP shard: engine/tp.py)."""
@@ -203,13 +203,13 @@ class Engine:
         """Admit + prefill, then one decode over the running batch; returns the client events."""
         self.step_id += 1
         events: list[Event] = []
-        self._emit("on_step_begin", engine=self, step=self.step_id)
+        self.emit("on_step_begin", engine=self, step=self.step_id)
         decoding = list(self.running)
         for request in self._admit():
             self._prefill(request, events)
         if decoding:
             self._decode([r for r in decoding if r.status == "running"], events)
-        self._emit("on_step_end", engine=self, step=self.step_id)
+        self.emit("on_step_end", engine=self, step=self.step_id)
         return events
 
     def run(self, max_steps: int = 1_000_000) -> list[Event]:
@@ -222,7 +222,7 @@ class Engine:
         """Abort one request and release exactly its pages."""
         request.status, request.error = "aborted", message
         self._release(request, publish=False, by_tracker=by_tracker)
-        self._emit("on_abort", request=request, step=self.step_id, by_tracker=by_tracker)
+        self.emit("on_abort", request=request, step=self.step_id, by_tracker=by_tracker)
         return Event(request.rid, "abort", self.step_id, message=message)
 
     # -- accounting --------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ class Engine:
         self.req_pool.write(request.row, first, pages)
         self.tracker.record(request.row, first, pages, tags)
         request.n_pages = first + pages.numel()
-        self._emit("on_grant", request=request, first=first, pages=pages.tolist(), previous=previous,
+        self.emit("on_grant", request=request, first=first, pages=pages.tolist(), previous=previous,
                    shared=shared, step=self.step_id)
 
     # -- prefill -----------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class Engine:
     def _prefill(self, request: Request, events: list[Event]) -> None:
         ps = self.page_size
         n_total, _ = self._place(request)
-        self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
+        self.emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
         start = request.n_shared * ps
         positions = torch.arange(start, len(request.prompt), device=self.device)
         rows = torch.tensor([request.row], dtype=torch.int32, device=self.device)
@@ -335,7 +335,7 @@ class Engine:
         if not batch:
             return
         self._grow(batch)
-        self._emit("after_schedule", engine=self, step=self.step_id, kind="decode", requests=batch)
+        self.emit("after_schedule", engine=self, step=self.step_id, kind="decode", requests=batch)
         batch = [r for r in batch if r.status == "running"]
         if not batch:
             return
@@ -401,7 +401,7 @@ class Engine:
 
     # -- shared step pieces ------------------------------------------------------------------------
     def _validate(self, block, rows, n_entries, batch, positions_read):
-        self._emit("before_read", engine=self, step=self.step_id, requests=batch, lengths=positions_read)
+        self.emit("before_read", engine=self, step=self.step_id, requests=batch, lengths=positions_read)
         return self.tracker.validate(block, rows, torch.tensor(n_entries, dtype=torch.int32, device=self.device),
                                      max_entries=block.shape[1], source=self.table, source_rows=rows,
                                      entries_hint=sum(n_entries))
@@ -415,7 +415,7 @@ class Engine:
             mutate = getattr(obs, "mutate_write_slots", None)
             if mutate is not None:
                 slots = mutate(engine=self, requests=requests, positions=positions, slots=slots)
-        self._emit("on_write", requests=requests, positions=positions.tolist(), slots=slots.tolist(),
+        self.emit("on_write", requests=requests, positions=positions.tolist(), slots=slots.tolist(),
                    step=self.step_id)
         return slots
 
@@ -437,7 +437,7 @@ class Engine:
             token = self._sample(request, logits[b])
             request.output.append(token)
             events.append(Event(request.rid, "token", self.step_id, token=token))
-            self._emit("on_token", request=request, token=token, step=self.step_id)
+            self.emit("on_token", request=request, token=token, step=self.step_id)
             if self._is_finished(request, token):
                 events.append(self._complete(request))
 
@@ -457,7 +457,7 @@ class Engine:
     def _complete(self, request: Request) -> Event:
         request.status = "finished"
         self._release(request, publish=True)
-        self._emit("on_finish", request=request, step=self.step_id)
+        self.emit("on_finish", request=request, step=self.step_id)
         return Event(request.rid, "finish", self.step_id, message=request.finish_reason)
 
     # -- release -----------------------------------------------------------------------------------
@@ -486,7 +486,7 @@ class Engine:
         self.req_pool.free_row(request.row)
         request.row = None
 
-    def _emit(self, name: str, **payload) -> None:
+    def emit(self, name: str, **payload) -> None:
         for obs in self.observers:
             handler = getattr(obs, name, None)
             if handler is not None:

@@ -74,18 +74,18 @@ class PhaseSplitEngine(Engine):
         """Admit + prefill + issue, the transfer fault point, land what is due, decode the landed."""
         self.step_id += 1
         events: list[Event] = []
-        self._emit("on_step_begin", engine=self, step=self.step_id)
+        self.emit("on_step_begin", engine=self, step=self.step_id)
         decoding = [r for r in self.running if r.rid not in self.in_flight]
         for request in self._admit():
             self._prefill(request, events)
         if self.in_flight:
-            self._emit("after_schedule", engine=self, step=self.step_id, kind="transfer",
+            self.emit("after_schedule", engine=self, step=self.step_id, kind="transfer",
                        requests=[t.request for t in self.in_flight.values()])
         decoding += self._land(self._due(), events)
         decoding = [r for r in decoding if r.status == "running"]
         if decoding:
             self._decode(decoding, events)
-        self._emit("on_step_end", engine=self, step=self.step_id)
+        self.emit("on_step_end", engine=self, step=self.step_id)
         return events
 
     def abort(self, request: Request, message: str, *, by_tracker: bool = False) -> Event:
@@ -114,7 +114,7 @@ class PhaseSplitEngine(Engine):
         # NOTE: the ticket is taken where the decode side hands out the target pages, so the guarded
         # window covers the prefill compute too, not only the copy.
         ticket = self.tracker.transfer_issue(new, row=request.row, first=request.n_shared)
-        self._emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
+        self.emit("after_schedule", engine=self, step=self.step_id, kind="prefill", requests=[request])
         src = self.prefill_allocator.alloc(n_total)
         logits = self._prefill_side(request, src)
         self._issue(request, request.n_shared, new, src, ticket)
@@ -147,7 +147,7 @@ class PhaseSplitEngine(Engine):
                 ready.record()
         land_step = self.step_id + self.config.transfer_lag
         self.in_flight[request.rid] = Transfer(request, first, pages, src, ticket, land_step, staged, ready)
-        self._emit("on_transfer_issue", request=request, first=first, pages=pages.tolist(), land_step=land_step,
+        self.emit("on_transfer_issue", request=request, first=first, pages=pages.tolist(), land_step=land_step,
                    step=self.step_id)
 
     def _stage(self, src: torch.Tensor, start: int, end: int) -> list:
@@ -177,7 +177,7 @@ class PhaseSplitEngine(Engine):
         if not due:
             return []
         for t in due:
-            self._emit("on_transfer_land", engine=self, request=t.request, first=t.first,
+            self.emit("on_transfer_land", engine=self, request=t.request, first=t.first,
                        pages=t.pages.tolist(), step=self.step_id)
         self._wait_staged(due)
         ok = self.tracker.transfer_land([t.ticket for t in due])  # device bool [n]; None = unguarded
@@ -186,7 +186,7 @@ class PhaseSplitEngine(Engine):
             slots = guard_slots(slots, owner, ok, self.page_size)
         self._commit(due, slots)
         writers = [t.request for t in due for _ in range(t.staged[0][0].shape[0])]
-        self._emit("on_write", requests=writers, positions=positions.tolist(), slots=slots.tolist(),
+        self.emit("on_write", requests=writers, positions=positions.tolist(), slots=slots.tolist(),
                    step=self.step_id)
         verdict = [True] * len(due) if ok is None else ok.cpu().tolist()
         landed = []
@@ -233,7 +233,7 @@ class PhaseSplitEngine(Engine):
         if request.status != "running":
             # NOTE: its request is gone already (an abort that freed the pages and left the transfer in
             # flight, sglang #24527): nothing to release; the guard's catch is the discarded late write.
-            self._emit("on_abort", request=request, step=self.step_id, by_tracker=True)
+            self.emit("on_abort", request=request, step=self.step_id, by_tracker=True)
             return Event(request.rid, "abort", self.step_id, message=str(err))
         self.tracker.note_aborted(1)
         return self.abort(request, str(err), by_tracker=True)

@@ -112,7 +112,7 @@ class RadixCache:
     def evictable_pages(self) -> int:
         """Pages that eviction could free now: nodes whose whole subtree is unlocked (one pass)."""
         unlocked = {}
-        for node in reversed(list(self._nodes())):  # pre-order reversed: children before parents
+        for node in reversed(list(self.nodes())):  # pre-order reversed: children before parents
             unlocked[node] = node.lock_ref == 0 and all(unlocked[c] for c in node.children.values())
         return sum(unlocked.values())
 
@@ -120,7 +120,7 @@ class RadixCache:
         """Free up to ``n_pages`` pages of LRU unlocked leaves; return the freed pages."""
         freed = []
         while len(freed) < n_pages:
-            leaves = [n for n in self._nodes() if not n.children and (allow_locked or n.lock_ref == 0)]
+            leaves = [n for n in self.nodes() if not n.children and (allow_locked or n.lock_ref == 0)]
             if not leaves:
                 break
             victim = min(leaves, key=lambda n: n.last_access)
@@ -138,9 +138,9 @@ class RadixCache:
         return node.page
 
     def pages(self) -> list[int]:
-        return [n.page for n in self._nodes()]
+        return [n.page for n in self.nodes()]
 
-    def _nodes(self):
+    def nodes(self):
         stack = list(self.root.children.values())
         while stack:
             n = stack.pop()

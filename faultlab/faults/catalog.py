@@ -155,7 +155,7 @@ class UntrackedRealloc(Fault):
         j = first + len(pages) - 1
         engine.table[taker.row, j] = page
         engine.tracker.record(taker.row, j, torch.tensor([page]))  # the buggy path records, no bump
-        engine._emit("on_grant", request=taker, first=j, pages=[page], previous=[pages[-1]], step=engine.step_id)
+        engine.emit("on_grant", request=taker, first=j, pages=[page], previous=[pages[-1]], step=engine.step_id)
         return {"from": victim.rid, "to": taker.rid, "page": page}
 
 
@@ -265,7 +265,7 @@ class OutOfRangeEntry(EntryFault):
 # -- prefix-cache faults ---------------------------------------------------------------------------
 def _deepest_locked(engine):
     """Locked nodes none of whose children is locked (the end of some running request's prefix)."""
-    return [n for n in engine.cache._nodes() if n.lock_ref > 0 and not any(c.lock_ref for c in n.children.values())]
+    return [n for n in engine.cache.nodes() if n.lock_ref > 0 and not any(c.lock_ref for c in n.children.values())]
 
 
 def _evict_subtree(engine, node) -> dict:

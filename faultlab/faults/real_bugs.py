@@ -100,7 +100,7 @@ class OffloadCopyRacesFree(RealBug):
 
     def on_finish(self, engine, rng, request, pages):
         ps = engine.page_size
-        cached = {n.page for n in engine.cache._nodes()}
+        cached = {n.page for n in engine.cache.nodes()}
         published = [p for p in pages[request.n_shared:len(request.tokens[:request.kv_len]) // ps] if p in cached]
         if not published or not _will_hit(engine, request.tokens[:(request.n_shared + 1) * ps]):
             return None
@@ -172,7 +172,7 @@ class AllocExtendAlias(RealBug):
         j = first + len(pages) - 1
         engine.req_pool.write(taker.row, j, torch.tensor([alias]))
         engine.tracker.record(taker.row, j, torch.tensor([alias]))  # a continuation: the page's current tag
-        engine._emit("on_grant", request=taker, first=j, pages=[alias], previous=[pages[-1]], step=engine.step_id)
+        engine.emit("on_grant", request=taker, first=j, pages=[alias], previous=[pages[-1]], step=engine.step_id)
         # NOTE: the page allocated for the growth stays allocated and unmapped: the counts balance because
         # the alias is counted twice (free + owned + cached == total), as in the thread.
         return {"taker": taker.rid, "victim": victim.rid, "page": alias, "unmapped": pages[-1]}
@@ -284,7 +284,7 @@ class StaleProtectedLen(RealBug):
 
     def on_finish(self, engine, rng, request, pages):
         shared = [p for p in pages[:request.n_shared]]
-        cached = {n.page for n in engine.cache._nodes()}
+        cached = {n.page for n in engine.cache.nodes()}
         shared = [p for p in shared if p in cached]
         if not shared or not _will_hit(engine, request.tokens[:engine.page_size]):
             return None
@@ -437,5 +437,5 @@ class Fp8ScalesLostOnWake(RealBug):
             kv.v_scale[layer] = kv.v_scale[layer] * garbage
             kv._k_tables[layer] = fp8_table(kv.k_scale[layer], kv.device)
             kv._v_tables[layer] = fp8_table(kv.v_scale[layer], kv.device)
-        engine._emit("on_kv_scales_lost", step=engine.step_id)
+        engine.emit("on_kv_scales_lost", step=engine.step_id)
         return {"scale_factor": garbage}
