@@ -248,8 +248,29 @@ class PoolFollower:
             # the k-th request that needs a new page got the allocation's k-th page (batch order)
             k = (torch.cumsum(new.long(), 0) - 1).clamp(0, fresh.numel() - 1).to(fresh.device)
             tags = fresh[k]
+        stale = self.stale(batch)
+        if any(stale):
+            # Rare: a request decoding on a row that now belongs to another request. Its new page is its
+            # own (given back when it is aborted) and must not overwrite the row owner's expectations.
+            for i in (i for i, s in enumerate(stale) if s):
+                if int(pos[i]) % ps == 0:
+                    tag = int(tags[i]) if tags is not None else int(self.tracker.current_tags(out_cache_loc[i:i + 1] // ps))
+                    batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
+                        (int(out_cache_loc[i]) // ps, tag))
+            new = new & ~torch.tensor(stale, device=new.device)
         self.tracker.record_many(batch.req_pool_indices, torch.div(pos, ps, rounding_mode="floor"),
                                  out_cache_loc.long() // ps, where=new, tags=tags)
+
+    def stale(self, batch) -> list[bool]:
+        """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
+        if gens is None:
+            return [False] * len(batch.reqs)
+        rows = batch.req_pool_indices_cpu
+        if rows is None:
+            rows = torch.tensor([req.kv.req_pool_idx for req in batch.reqs], dtype=torch.int64)
+        now = gens[rows.long()].tolist()
+        return [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(batch.reqs, now)]
 
     def _fresh_for(self, count: int) -> torch.Tensor | None:
         """The last allocation's slot tags, if it handed out exactly ``count`` pages (else None: current tags)."""
@@ -310,13 +331,19 @@ class PoolFollower:
         ps, row = self.page_size, req.kv.req_pool_idx
         key = (int(row), getattr(req, "kvguard_row_generation", -1)) if row is not None else None
         pages, tags = self._released.pop(key, (None, None)) if key is not None else (None, None)
+        ids = set()
         if pages is not None:
             first, end = int(req.kv.cache_protected_len) // ps, -(-int(req.kv.kv_allocated_len) // ps)
             pages, tags = pages[first:end], tags[first:end]
             held = (tags != UNSET) & (self.tracker.current_tags(pages).to(tags.device) == tags)
-            ids = sorted(set(pages[held].tolist()))
-            if ids:
-                self._raw["free_page_ids"](torch.tensor(ids, dtype=torch.int64, device=self.device))
+            ids |= set(pages[held].tolist())
+        extra = req.__dict__.pop("kvguard_extra_pages", [])  # pages it got after its row was taken
+        if extra:
+            extra_pages = torch.tensor([p for p, _ in extra], dtype=torch.int64)
+            now = self.tracker.current_tags(extra_pages).cpu().tolist()
+            ids |= {p for (p, t), n in zip(extra, now) if t == n}
+        if ids:
+            self._raw["free_page_ids"](torch.tensor(sorted(ids), dtype=torch.int64, device=self.device))
         if tree_cache is not None and getattr(req, "lock", None) is not None:
             tree_cache.unlock(req.lock)
             req.lock = None

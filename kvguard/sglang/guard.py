@@ -55,12 +55,7 @@ class SGLangGuard(PoolFollower):
         max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
         if max_entries == 0:
             return None
-        gens = getattr(self.req_to_token_pool, "req_generation", None)
-        if gens is not None:
-            now = gens[rows_cpu.long()].tolist()
-            stale = [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(batch.reqs, now)]
-        else:
-            stale = [False] * len(batch.reqs)
+        stale = self.stale(batch)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
         n_entries = n_cpu.to(rows.device, non_blocking=on_cuda)
