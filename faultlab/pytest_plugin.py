@@ -1,6 +1,7 @@
-"""faultlab's pytest plugin (registered through the ``pytest11`` entry point).
+"""faultlab's pytest plugin. Opt-in: ``pytest_plugins = ["faultlab.pytest_plugin"]`` in a conftest.py (or
+``pytest -p faultlab.pytest_plugin``); installing kvguard registers nothing in anyone's pytest runs.
 
-What it adds to every pytest run in an environment where faultlab is installed:
+What it adds to the runs of a project that turns it on:
 
 - ``--faultlab-seed=N|last|random`` (group ``faultlab``): one seed per session, printed in the run
   header. ``random`` (the default) draws a fresh one; ``last`` reuses the previous session's seed
