@@ -14,7 +14,8 @@ e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler 
 (``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0), ``model`` (a config dict
 merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed"}``.
 
-An episode sends wave 1 (``n1`` requests sharing a ``prefix``-token prefix, rids ``<label>-a<i>``),
+An episode sends wave 1 (``n1`` requests sharing a ``prefix``-token prefix, rids ``<label>-a<i>``; a0
+first, the others once a0 decodes, so they share a0's prefix pages through the radix tree),
 waits for the injector's ``armed`` line (a fault-free episode arms a ``none`` entry), then sends wave 2
 (``n2`` requests with the same prefix and at least two pages of their own, rids ``<label>-b<i>``;
 the reusers), and gathers every request's outcome: ``output_ids`` or the ``error`` the client got.
@@ -84,20 +85,27 @@ async def _one(engine, ids, new, rid):
                 "error": f"{type(exc).__name__}: {getattr(exc, 'detail', exc)}"}
 
 
-async def _episode(engine, label, wave1, wave2, workload, log_path, timeout=60.0):
+async def _wait_for(event, label, log_path, tasks, timeout=60.0):
     t0 = time.time()
-    first = [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}"))
-             for i, ids in enumerate(wave1)]
-    armed = None
-    while armed is None and time.time() - t0 < timeout:
+    while time.time() - t0 < timeout and not all(t.done() for t in tasks):
+        if any(e["event"] == event and e.get("label") == label for e in _read_log(log_path)):
+            return True
         await asyncio.sleep(0.01)
-        armed = next((e for e in _read_log(log_path) if e["event"] == "armed" and e["label"] == label), None)
-        if all(t.done() for t in first):
-            break
+    return False
+
+
+async def _episode(engine, label, wave1, wave2, workload, log_path):
+    # a0 first; the rest of wave 1 once a0 decodes (its prompt is in the radix tree then), so that
+    # wave 1 shares physical prefix pages, as wave 2 does later
+    first = [asyncio.ensure_future(_one(engine, wave1[0], workload["new1"], f"{label}-a0"))]
+    await _wait_for("decoding", label, log_path, first)
+    first += [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}"))
+              for i, ids in enumerate(wave1) if i > 0]
+    armed = await _wait_for("armed", label, log_path, first)
     second = [asyncio.ensure_future(_one(engine, ids, workload["new2"], f"{label}-b{i}"))
               for i, ids in enumerate(wave2)]
     results = await asyncio.gather(*first, *second)
-    return results, armed is not None
+    return results, armed
 
 
 def run(spec: dict, out_path: str) -> int:

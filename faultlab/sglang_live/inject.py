@@ -72,7 +72,8 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     (``ReqToTokenPool.free_rows``) and popped by the reuser's allocation while A still decodes with it.
     Victim: A (the reuser is not).
 
-Log lines (one JSON object each): ``{"event": "inject", "fault", "seed", "label", "step", "victims":
+Log lines (one JSON object each): ``decoding`` (a first candidate is in a decode batch: its prompt
+is in the radix tree now, so a driver can send the others to share its prefix pages); ``{"event": "inject", "fault", "seed", "label", "step", "victims":
 [rid...], "rows", "pages", "entries", "page_size", "time"}``; ``armed``, ``owner``, ``victim``,
 ``idle_check``; ``skipped`` when a fault found nothing to corrupt (e.g. no private page).
 """
@@ -124,6 +125,7 @@ class Entry:
     min_candidates: int = 2
     label: str = ""
     # runtime state
+    decoding: bool = False  # a candidate reached a decode batch (logged once: a driver's cue)
     armed: bool = False
     done: bool = False
     candidates: list = field(default_factory=list)
@@ -302,6 +304,9 @@ def _before_prepare_for_decode(batch, *args, **kwargs):
     for entry in _State.plan:
         if entry.armed or entry.done:
             continue
+        if not entry.decoding and any(entry.is_candidate(r) for r in batch.reqs):
+            entry.decoding = True
+            _log("decoding", fault=entry.fault, seed=entry.seed, label=entry.label)
         cands = sorted((r for r in batch.reqs if entry.is_candidate(r) and not r.finished()
                         and r.kv.req_pool_idx is not None), key=lambda r: str(r.rid))
         if len(cands) < entry.min_candidates or min(len(r.output_ids) for r in cands) < entry.step:
