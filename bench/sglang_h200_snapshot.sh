@@ -9,7 +9,7 @@ REV=${1:-HEAD}; shift || true
 grep -qx '/.snap/' .git/info/exclude || echo '/.snap/' >> .git/info/exclude
 rm -rf .snap && mkdir -p .snap/bench
 git archive "$REV" kvguard faultlab pyproject.toml | tar -x -C .snap
-cp bench/sglang_h200.py bench/sglang_h200_lib.py bench/sglang_h200_setup.sh .snap/bench/
+cp bench/sglang_h200.py bench/sglang_h200_lib.py bench/sglang_h200_setup.sh bench/sglang_h200_x2.sh .snap/bench/
 for p in "$@"; do mkdir -p ".snap/$(dirname "$p")"; cp -r "$p" ".snap/$(dirname "$p")/"; done
 find .snap -name __pycache__ -prune -exec rm -rf {} +
 git rev-parse "$REV" > .snap/REVISION
