@@ -23,6 +23,7 @@ each worker's environment, read by SGLang's plugin loader in the scheduler proce
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -342,8 +343,9 @@ def fault_engine(spec: dict, out_path: str) -> int:
     try:
         for ep in spec["episodes"]:
             t = time.time()
+            extra = {"timeout": spec.get("timeout", 60)} if "timeout" in inspect.signature(H._episode).parameters else {}
             outs, armed = engine.loop.run_until_complete(
-                H._episode(engine, ep["label"], wave1, wave2, workload, log_path, timeout=spec.get("timeout", 60)))
+                H._episode(engine, ep["label"], wave1, wave2, workload, log_path, **extra))
             end = time.time()
             idle = None
             while time.time() - end < 10:
@@ -455,7 +457,7 @@ def cmd_faults(a) -> None:
         spec_path = os.path.join("/tmp", name + ".spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        out_path = os.path.join(a.out, name + ".json")
+        out_path = os.path.join("/tmp", name + ".json")  # the summary below keeps it: a call returns 8 files
         cmd = [sys.executable, os.path.abspath(__file__), "fault-engine", "--out", a.out, "--spec", spec_path,
                "--result", out_path] + (["--cpu"] if a.cpu else [])
         logf = open(os.path.join("/tmp", name + ".log"), "w")
@@ -494,6 +496,7 @@ def cmd_faults(a) -> None:
                  "completed": len(rows), "episodes": rows, "log_tail": tail}
         if a.tp > 1:
             entry["rank_aborts"] = run.get("rank_aborts", [])
+        entry["raw_episodes"] = run.get("episodes", [])  # what every client got (output ids or the error)
         summary["engines"].append(entry)
         bad = [r for r in rows if r["fault"] != "none" and (r["victims_aborted"] != r["victims"] or r["false_aborts"]
                                                            or r["non_victim_mismatches"])]
