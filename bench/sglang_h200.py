@@ -643,13 +643,13 @@ def fault_table(faults: dict) -> list[dict]:
                       "requests"):
                 row[k] += ep[k]
             row["unbalanced_after"] += int(ep["balanced"] is False)
-        planned = {e["label"] for e in []}
-        del planned
         if eng["completed"] < eng["planned"]:
             # the episodes the engine never reached (its scheduler died, or the run was cut)
             key = (eng["mode"], eng["page_size"], "_engine")
             table.setdefault(key, {"fault": "(engine stopped early)", "kvguard": eng["mode"],
                                    "page_size": eng["page_size"], "engine": eng["name"], "rc": eng["rc"],
+                                   **dict.fromkeys(("injected", "victims", "victims_aborted",
+                                                    "non_victim_mismatches", "false_aborts")),
                                    "completed": eng["completed"], "planned": eng["planned"],
                                    "log_tail": eng["log_tail"][-600:]})
     return list(table.values())
