@@ -43,8 +43,13 @@ SEED = 1
 ENGINE_TIMEOUT = 420
 
 
-def _episodes(classes):
-    return [{"label": "clean", "fault": None}] + [
+SOAK = {"n1": 8, "n2": 4, "new1": 160, "new2": 96}  # 7 episodes: > 1,000 decode batches
+SOAK_EPISODES = 7
+
+
+def _episodes(classes, soak=False):
+    soaks = [{"label": f"soak{i}", "fault": None, "workload": SOAK} for i in range(SOAK_EPISODES if soak else 0)]
+    return [{"label": "clean", "fault": None}] + soaks + [
         {"label": c.replace("_", ""), "fault": c, "seed": SEED} for c in ORDER if c in classes]
 
 
@@ -64,10 +69,10 @@ def _last_error(stderr: str) -> str:
     return "\n".join(lines[-6:])
 
 
-def _run_engine(tmp_path_factory, name: str, base: dict, classes) -> dict:
+def _run_engine(tmp_path_factory, name: str, base: dict, classes, soak=False) -> dict:
     """All episodes of ``classes``; restart the engine after an episode that killed it (at most 3x)."""
     tmp = tmp_path_factory.mktemp(name)
-    todo, episodes, deaths, runs = _episodes(classes), {}, {}, []
+    todo, episodes, deaths, runs = _episodes(classes, soak), {}, {}, []
     for attempt in range(4):
         rc, result, stderr = _harness({**base, "episodes": todo}, tmp, f"{name}{attempt}")
         runs.append({"rc": rc, "startup_s": result and result.get("startup_s"), "stderr": stderr})
@@ -94,7 +99,7 @@ def _base(page_size: int, mode: str, overlap: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def check16(tmp_path_factory):
-    return _run_engine(tmp_path_factory, "check16", _base(16, "check"), CLASSES)
+    return _run_engine(tmp_path_factory, "check16", _base(16, "check"), CLASSES, soak=True)
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +205,16 @@ def test_bogus_mode_stops_the_engine(tmp_path):
     assert "KVGUARD_MODE" in stderr and "bogus" in stderr, stderr
 
 
-def test_clean_soak_page16_no_false_aborts(tmp_path):
-    """>= 1,000 fault-free decode batches (12 requests per episode, 160/96 new tokens) with kvguard on:
-    no request aborted, every episode's tokens equal the first's, accounting balanced after each."""
-    spec = {**_base(16, "check"), "workload": {"n1": 8, "n2": 4, "new1": 160, "new2": 96},
-            "episodes": [{"label": f"soak{i}", "fault": None} for i in range(7)]}
-    rc, result, stderr = _harness(spec, tmp_path, "soak")
-    assert rc == 0 and result and not result.get("died"), f"rc {rc}:\n{_last_error(stderr)}"
-    first = _by_index(result["episodes"][0])
-    for ep in result["episodes"]:
+def test_clean_soak_page16_no_false_aborts(check16):
+    """>= 1,000 fault-free decode batches with kvguard on (7 episodes of 12 requests, 160/96 new tokens,
+    on the page-16 engine before any fault): no request aborted, every episode's tokens equal the first's,
+    accounting balanced after each."""
+    soaks = [_episode(check16, f"soak{i}") for i in range(SOAK_EPISODES)]
+    first = {i: r["output_ids"] for i, r in _by_index(soaks[0]).items()}
+    for ep in soaks:
         errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
         assert errors == {}, f"{ep['label']}: false aborts {errors}"
-        assert {i: r["output_ids"] for i, r in _by_index(ep).items()} == {
-            i: r["output_ids"] for i, r in first.items()}, ep["label"]
-        _assert_balanced({"deaths": {}}, ep)
-    steps = max(e["decode_steps"] for e in result["events"] if e["event"] == "idle_check")
+        assert {i: r["output_ids"] for i, r in _by_index(ep).items()} == first, ep["label"]
+        _assert_balanced(check16, ep)
+    steps = soaks[-1]["idle_check"]["decode_steps"] - _episode(check16, "clean")["idle_check"]["decode_steps"]
     assert steps >= 1000, f"only {steps} decode batches"

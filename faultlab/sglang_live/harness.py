@@ -12,7 +12,8 @@ SPEC keys (all optional except ``episodes``):
 e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler inherits it),
 ``max_total_tokens`` (4096), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
 (``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0), ``model`` (a config dict
-merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed"}``.
+merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed",
+"workload" (optional overrides of the run's workload for this episode)}``.
 
 An episode sends wave 1 (``n1`` requests sharing a ``prefix``-token prefix, rids ``<label>-a<i>``; a0
 first, the others once a0 decodes, so they share a0's prefix pages through the radix tree),
@@ -122,7 +123,7 @@ def run(spec: dict, out_path: str) -> int:
     for ep in episodes:
         plan.append({"fault": ep.get("fault") or "none", "seed": int(ep.get("seed", 0)),
                      "rid_prefix": f"{ep['label']}-a", "reuser_prefix": f"{ep['label']}-b",
-                     "min_candidates": workload["n1"], "label": ep["label"]})
+                     "min_candidates": {**workload, **ep.get("workload", {})}["n1"], "label": ep["label"]})
     os.environ.update({ENV_FAULTS: json.dumps(plan), ENV_LOG: log_path, ENV_ACCOUNTING: "1",
                        ENV_DUMMY: str(spec.get("dummy_std", 1.0))})
     if device == "cpu":
@@ -150,14 +151,14 @@ def run(spec: dict, out_path: str) -> int:
     result.update(started=True, startup_s=time.time() - t)
     save()
     _watchdog(result, save)
-    wave1, wave2 = prompts(workload, page_size)
     try:
         for ep in episodes:
             result["current"] = ep["label"]
             save()
             t = time.time()
-            outs, armed = engine.loop.run_until_complete(
-                _episode(engine, ep["label"], wave1, wave2, workload, log_path))
+            w = {**workload, **ep.get("workload", {})}
+            wave1, wave2 = prompts(w, page_size)
+            outs, armed = engine.loop.run_until_complete(_episode(engine, ep["label"], wave1, wave2, w, log_path))
             end = time.time()
             record = {"label": ep["label"], "fault": ep.get("fault"), "seed": ep.get("seed", 0), "armed": armed,
                       "requests": outs, "idle_check": None, "seconds": end - t}
