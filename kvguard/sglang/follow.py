@@ -199,7 +199,7 @@ class PoolFollower:
         pages = self.req_to_token_pool.req_to_token[row, first * ps:new:ps].long() // ps
         mine, mine_tags = self.tracker.expectation(row, first, last)
         adopted = (pages == mine) & (mine_tags != UNSET)
-        self.tree_tags[pages[adopted]] = mine_tags[adopted]
+        self.tree_tags[pages] = torch.where(adopted, mine_tags, self.tree_tags[pages])  # no boolean index: no sync
         self.tracker.record(row, first, pages, tags=torch.where(adopted, mine_tags, self._prefix_tags(pages)))
 
     def record_extend(self, batch, out_cache_loc, rows_cpu, held: list[bool]) -> None:
@@ -252,14 +252,32 @@ class PoolFollower:
         if any(stale):
             # Rare: a request decoding on a row that now belongs to another request. Its new page is its
             # own (given back when it is aborted) and must not overwrite the row owner's expectations.
+            table = self.req_to_token_pool.req_to_token
             for i in (i for i, s in enumerate(stale) if s):
-                if int(pos[i]) % ps == 0:
+                row, p = int(batch.req_pool_indices[i]), int(pos[i])
+                if p % ps == 0:
                     tag = int(tags[i]) if tags is not None else int(self.tracker.current_tags(out_cache_loc[i:i + 1] // ps))
                     batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
                         (int(out_cache_loc[i]) // ps, tag))
-            new = new & ~torch.tensor(stale, device=new.device)
+                # SGLang has just written this request's slot into the row's entry p, which the row's
+                # owner may map: give the owner back its entry (this request is aborted at this step).
+                owner_pages, owner_tags = self.tracker.expectation(row, p // ps, p // ps + 1)
+                if owner_tags.numel() and int(owner_tags[0]) != UNSET:
+                    table[row, p] = int(owner_pages[0]) * ps + p % ps
+            new = new & ~self.to_device(stale, torch.bool)
         self.tracker.record_many(batch.req_pool_indices, torch.div(pos, ps, rounding_mode="floor"),
                                  out_cache_loc.long() // ps, where=new, tags=tags)
+
+    def to_device(self, values, dtype) -> torch.Tensor:
+        """A small host list on the pools' device without waiting for the stream (pinned, async copy).
+
+        NOTE: a copy from pageable memory synchronises the stream first, i.e. waits for the forward in
+        flight; the caching host allocator's pinned blocks are reused only once their copy is done.
+        """
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def stale(self, batch) -> list[bool]:
         """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""

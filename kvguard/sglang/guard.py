@@ -48,8 +48,8 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot (:meth:`guard_writes`).
         """
         rows_cpu = batch.req_pool_indices_cpu
-        if rows_cpu is None:
-            rows_cpu = batch.req_pool_indices.cpu()
+        if rows_cpu is None:  # never read the device tensor back (that would wait for the forward in flight)
+            rows_cpu = torch.tensor([req.kv.req_pool_idx for req in batch.reqs], dtype=torch.int64)
         known = self.known[rows_cpu.long()]
         n_cpu = torch.where(known, batch.seq_lens_cpu, 0)
         max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
@@ -58,7 +58,7 @@ class SGLangGuard(PoolFollower):
         stale = self.stale(batch)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
-        n_entries = n_cpu.to(rows.device, non_blocking=on_cuda)
+        n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows, n_entries,
                                       max_entries=max_entries, table_rows=rows, page_div=self.page_size,
                                       per_token=True, entries_hint=int(n_cpu.sum()))
@@ -87,13 +87,13 @@ class SGLangGuard(PoolFollower):
             return
         bad = check.verdict.sum(1) > 0
         if any(stale):
-            bad = bad | torch.tensor(stale, device=bad.device)
+            bad = bad | self.to_device(stale, torch.bool)
         if out.numel() != bad.numel():  # extend: one slot per new token of each request
             lens = getattr(batch, "extend_lens", None)
             if lens is None or sum(lens) != out.numel():
                 self.warn_once("write_guard", "kvguard: cannot map write slots to requests; writes unguarded")
                 return
-            bad = torch.repeat_interleave(bad, torch.tensor(lens, device=bad.device), output_size=out.numel())
+            bad = torch.repeat_interleave(bad, self.to_device(lens, torch.int64), output_size=out.numel())
         out.masked_fill_(bad, SCRATCH_SLOT)
 
     def warm_up(self) -> None:
