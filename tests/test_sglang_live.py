@@ -79,3 +79,37 @@ def test_cpu_rotary_matches_reference(neox, rot):
         err = (out.double() - ref).norm() / ref.norm()
         assert err < 1e-6, err
     assert not math.isclose(float(q_ref.norm()), 0.0)
+
+
+def _ep(fault, victims, outs, errors=(), balanced=True):
+    return {"fault": fault, "victims": victims, "idle_check": {"balanced": balanced, "messages": []},
+            "requests": [{"rid": f"x-a{i}", "output_ids": o, "error": "kvguard: ..." if f"x-a{i}" in errors else None}
+                         for i, o in enumerate(outs)]}
+
+
+def test_sweep_judge_names_each_way_an_episode_can_be_wrong():
+    from faultlab.sglang_live.sweep import judge
+
+    clean = _ep(None, [], [[1, 2], [3, 4]])
+    assert judge(_ep("index_shift", ["x-a0"], [None, [3, 4]], errors=["x-a0"]), clean) == []
+    assert "errors" in judge(_ep("index_shift", ["x-a0"], [[1, 2], [3, 4]]), clean)[0]
+    assert "non-victims' tokens differ: ['x-a1']" in judge(
+        _ep("index_shift", ["x-a0"], [None, [3, 5]], errors=["x-a0"]), clean)
+    assert judge(_ep("index_shift", ["x-a0"], [None, [3, 4]], errors=["x-a0"], balanced=False), clean)[0].startswith(
+        "accounting")
+    assert judge(_ep("stale_row", [], [[1, 2], [3, 4]]), clean) == ["the injector reports no victim"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--seeds", "x"], "--seeds"), (["--seeds", "5-2"], "--seeds"), (["--out", "/nonexistent-dir/x.json"], "--out"),
+])
+def test_sweep_bad_input_exits_2_naming_the_option(argv, named, tmp_path, capsys):
+    from faultlab.sglang_live import sweep
+
+    argv = argv if "--out" in argv else argv + ["--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit) as info:
+        sys_exit = sweep.main(argv)
+        raise SystemExit(sys_exit)
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,124 @@
+"""Every live fault class x seeds x SGLang configurations, one engine per configuration (CPU by default).
+
+    python -m faultlab.sglang_live.sweep --seeds 2-7 --out out/sglang_sweep.json
+
+Configurations: page size 16 and 1, SGLang's overlap and normal event loops, radix cache on; plus page
+size 16 with the radix cache off. Each engine runs a fault-free episode first, then every class
+(``in_page_entry`` at page size > 1 only) for every seed, all with ``KVGUARD_MODE=check`` unless
+``--mode`` says otherwise. An episode is *exact* when exactly the injector's victims got an error, every
+other request's tokens equal the fault-free episode's, and SGLang's idle accounting is balanced after it.
+Prints one line per configuration and writes every episode's raw record to ``--out``. Exit 1 when an
+episode is not exact or an engine died (its remaining episodes then run on a fresh engine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .inject import FAULTS
+
+CONFIGS = [  # (name, page size, overlap, radix)
+    ("ps16-overlap", 16, True, True), ("ps16-normal", 16, False, True),
+    ("ps1-overlap", 1, True, True), ("ps1-normal", 1, False, True), ("ps16-noradix", 16, True, False),
+]
+
+
+def judge(ep: dict, clean: dict) -> list[str]:
+    """What is wrong with one episode (empty: exact)."""
+    problems = []
+    victims = set(ep["victims"])
+    errors = {r["rid"] for r in ep["requests"] if r["error"]}
+    if ep["fault"] and not victims:
+        problems.append("the injector reports no victim")
+    if errors != victims:
+        problems.append(f"errors {sorted(errors)} != victims {sorted(victims)}")
+    ref = {r["rid"].split("-", 1)[1]: r["output_ids"] for r in clean["requests"]}
+    wrong = sorted(r["rid"] for r in ep["requests"]
+                   if r["rid"] not in victims and r["output_ids"] != ref[r["rid"].split("-", 1)[1]])
+    if wrong:
+        problems.append(f"non-victims' tokens differ: {wrong}")
+    if not (ep.get("idle_check") or {}).get("balanced"):
+        problems.append(f"accounting: {(ep.get('idle_check') or {}).get('messages')}")
+    return problems
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        lo, _, hi = text.partition("-")
+        seeds = list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        print(f"--seeds: {text!r} is not N or N-M with N <= M", file=sys.stderr)
+        sys.exit(2)
+    return seeds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="1-3", help="N or N-M (default 1-3)")
+    ap.add_argument("--mode", default="check", choices=["check", "off"], help="KVGUARD_MODE (default check)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--config", action="append", choices=[c[0] for c in CONFIGS],
+                    help="run only these configurations (repeatable; default all)")
+    ap.add_argument("--out", required=True, help="raw JSON results")
+    args = ap.parse_args(argv)
+    seeds = _seeds(args.seeds)
+    configs = [c for c in CONFIGS if not args.config or c[0] in args.config]
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        print(f"--out: directory {out_dir!r} does not exist", file=sys.stderr)
+        return 2
+    classes = [f for f in FAULTS if f != "none"]
+    report, bad = {"seeds": seeds, "mode": args.mode, "configs": {}}, 0
+    tmp = tempfile.mkdtemp(prefix="faultlab_sweep_")
+    for name, ps, overlap, radix in configs:
+        todo = [{"label": "clean", "fault": None}] + [
+            {"label": f"{c.replace('_', '')}{s}", "fault": c, "seed": s}
+            for s in seeds for c in classes if not (c == "in_page_entry" and ps == 1)]
+        episodes, deaths, t0 = {}, [], time.time()
+        while len(todo) > 1:
+            spec = {"device": args.device, "page_size": ps, "overlap": overlap, "radix": radix,
+                    "env": {"KVGUARD_MODE": args.mode}, "episodes": todo}
+            spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            if os.path.exists(out_path):
+                os.remove(out_path)
+            proc = subprocess.run([sys.executable, "-m", "faultlab.sglang_live.harness", spec_path, out_path],
+                                  capture_output=True, text=True)
+            result = json.load(open(out_path)) if os.path.exists(out_path) else {}
+            if not result.get("started"):
+                print(f"{name}: the engine did not start (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+                return 1
+            for ep in result["episodes"]:
+                episodes[ep["label"]] = ep
+            if proc.returncode == 0:
+                break
+            died = (result.get("died") or {}).get("during") or result.get("current")
+            deaths.append(died)
+            todo = todo[:1] + [e for e in todo if e["label"] not in episodes and e["label"] != died]
+        clean = episodes["clean"]
+        verdicts = {label: judge(ep, clean) for label, ep in episodes.items()}
+        for label in deaths:
+            verdicts.setdefault(label, []).append("the server died in this episode")
+        wrong = {k: v for k, v in verdicts.items() if v}
+        bad += len(wrong)
+        report["configs"][name] = {"page_size": ps, "overlap": overlap, "radix": radix, "deaths": deaths,
+                                   "seconds": time.time() - t0, "verdicts": verdicts, "episodes": episodes}
+        print(f"{name}: {len(verdicts) - 1} fault episodes, {len(verdicts) - 1 - len(wrong)} exact, "
+              f"{len(deaths)} server deaths, {time.time() - t0:.0f} s" + "".join(
+                  f"\n  {label}: {'; '.join(v)}" for label, v in wrong.items()))
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    print(f"wrote {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
