@@ -45,12 +45,12 @@ logs ``{"event": "armed"}``. A driver that needs a reuser sends it after reading
 
 Classes, and who counts as a victim
 -----------------------------------
-``none``             a control: arms and logs ``armed``, corrupts nothing.
 A victim is a request whose own mapping (its ``req_to_token`` row, or a page it legitimately holds)
 the fault broke. Requests that merely receive a page or row through SGLang's normal allocation are
 NOT victims: their mapping is correct, and they are hurt only if a victim later writes into what they
 now own (the victim's write slot is ``last_loc + 1`` from its broken row), which a guard must prevent.
 
+``none``             a control: arms and logs ``armed``, corrupts nothing.
 ``swapped_entries``  two candidates A, B with different pages at logical page k: the entries of page
     k are exchanged between their rows. Victims: A and B.
 ``index_shift``      candidate A, logical page k: every written entry of that page points one page
@@ -58,8 +58,8 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
 ``in_page_entry``    candidate A, one written entry at a position p with p % page_size != 0 (inside a
     page, not its first entry) points to the same offset of another page. Page size > 1 only. Victim: A.
 ``out_of_range_entry``  candidate A, page k: its written entries point past the KV buffer (or, by
-    seed, to a negative slot). Victim: A. (Torch attention on the CPU then raises IndexError in the
-    forward unless something keeps the forward from reading the entry.)
+    seed, to a negative slot). Victim: A. (What an unguarded forward then reads depends on the backend:
+    torch indexing wraps a negative slot around; a GPU kernel may fault.)
 ``premature_free``   at a reuser's prefill: one page that A holds privately (not a radix-tree page) is
     freed to the allocator's head (SGLang's ``allocator.free``), so the reuser's allocation receives
     it while A still maps it. Victim: A (the new owner is not).
@@ -72,10 +72,13 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     (``ReqToTokenPool.free_rows``) and popped by the reuser's allocation while A still decodes with it.
     Victim: A (the reuser is not).
 
-Log lines (one JSON object each): ``decoding`` (a first candidate is in a decode batch: its prompt
-is in the radix tree now, so a driver can send the others to share its prefix pages); ``{"event": "inject", "fault", "seed", "label", "step", "victims":
-[rid...], "rows", "pages", "entries", "page_size", "time"}``; ``armed``, ``owner``, ``victim``,
-``idle_check``; ``skipped`` when a fault found nothing to corrupt (e.g. no private page).
+Log lines (one JSON object each): ``{"event": "inject", "fault", "seed", "label", "step", "victims":
+[rid...], "rows", "pages", "entries", "page_size", "time"}``; ``decoding`` (a first candidate is in a
+decode batch: its prompt is in the radix tree now, so a driver can send the others to share its prefix
+pages); ``armed``, ``owner``, ``victim``, ``idle_check``; ``skipped`` when a fault found nothing to
+corrupt (e.g. no private page).
+
+Used by tests/test_sglang_engine.py (through :mod:`.harness`) and :mod:`.sweep`.
 """
 from __future__ import annotations
 
