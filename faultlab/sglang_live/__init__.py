@@ -4,7 +4,7 @@
   environment variables are set.
 * :mod:`.cpu_rotary`: the torch rotary op SGLang needs on a plain CPU device (tests only).
 * :mod:`.harness`: one ``sglang.Engine`` (CPU: a tiny dummy Llama) through fault episodes, in a process
-  of its own (``python -m faultlab.sglang_live.harness SPEC OUT``); used by tests/test_sglang_engine.py.
+  of its own (``python -m faultlab.sglang_live.harness SPEC OUT``); used by tests/test_faultlab/test_sglang_live/test_sglang_engine.py.
 * :mod:`.sweep`: every class x seeds x SGLang configurations (``python -m faultlab.sglang_live.sweep``).
 
 Imports SGLang only inside functions.

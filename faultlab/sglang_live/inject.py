@@ -78,7 +78,7 @@ decode batch: its prompt is in the radix tree now, so a driver can send the othe
 pages); ``armed``, ``owner``, ``victim``, ``idle_check``; ``skipped`` when a fault found nothing to
 corrupt (e.g. no private page).
 
-Used by tests/test_sglang_engine.py (through :mod:`.harness`) and :mod:`.sweep`.
+Used by tests/test_faultlab/test_sglang_live/test_sglang_engine.py (through :mod:`.harness`) and :mod:`.sweep`.
 """
 from __future__ import annotations
 

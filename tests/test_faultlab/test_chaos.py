@@ -9,7 +9,7 @@ from faultlab.cli import main
 from faultlab.faults.catalog import FAULTS, UnknownFault, get_fault
 from faultlab.scenario import ScenarioError, load, parse
 
-SMOKE = Path(__file__).resolve().parent.parent / "scenarios" / "smoke.toml"
+SMOKE = Path(__file__).resolve().parents[2] / "scenarios" / "smoke.toml"
 DETECTABLE = [n for n, c in FAULTS.items() if c.detectable and c.requires is None]
 
 

@@ -15,7 +15,7 @@ from faultlab.scenario import ScenarioError, available_faults, load, parse
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
 
-SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "real_bugs.toml"
+SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "real_bugs.toml"
 REAL = [n for n, c in FAULTS.items() if c.suite == "real_bugs"]
 CONTROLS = ["leak_unrecorded_len", "fp8_scales_lost_on_wake"]
 SEEDS = (0, 1)
@@ -144,7 +144,7 @@ def test_hit_guard_catches_a_prefix_freed_under_the_tree(scenario):
 def test_all_in_a_real_bugs_scenario_selects_the_replays():
     from faultlab.scenario import fault_classes
 
-    scenario = load(Path(__file__).resolve().parent.parent / "scenarios" / "real_bugs.toml")
+    scenario = load(Path(__file__).resolve().parents[2] / "scenarios" / "real_bugs.toml")
     everything = parse({"name": "x", "engine": {**{k: getattr(scenario.engine, k) for k in
                                                    ("phase_split", "memory", "prefill_kv_dtype")}},
                         "faults": {"classes": ["all"], "suite": "real_bugs"}})

@@ -10,7 +10,7 @@ from faultlab.cli import main
 from faultlab.report import _atomic, failures
 from faultlab.scenario import Expectations, parse
 
-SMOKE = Path(__file__).resolve().parent.parent / "scenarios" / "smoke.toml"
+SMOKE = Path(__file__).resolve().parents[2] / "scenarios" / "smoke.toml"
 # a tiny, fast scenario: 3 short requests on the tiny model
 TINY = """name = "tiny"
 [workload]

@@ -16,7 +16,7 @@ from faultlab.scenario import parse
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
 
-SMOKE = Path(__file__).resolve().parent.parent / "scenarios" / "smoke.toml"
+SMOKE = Path(__file__).resolve().parents[3] / "scenarios" / "smoke.toml"
 CLASSES = [n for n, c in FAULTS.items() if c.requires is None]
 
 

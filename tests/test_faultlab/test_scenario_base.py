@@ -7,7 +7,7 @@ import pytest
 
 from faultlab.scenario import ScenarioError, load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_derived_scenario_overrides_key_by_key():

@@ -17,7 +17,7 @@ from faultlab.scenario import ScenarioError, fault_classes, load, parse
 from kvguard.transfer import guard_slots
 from workloads import random_requests
 
-SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "phase_split.toml"
+SCENARIO = Path(__file__).resolve().parents[3] / "scenarios" / "phase_split.toml"
 TINY = EngineConfig(model="tiny", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=48, max_running=4)
 SPLIT = replace(TINY, phase_split=True, prefill_kv_dtype="bf16")
 
