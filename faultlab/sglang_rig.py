@@ -90,6 +90,15 @@ class Rig:
         batch.prepare_for_extend()
         return batch
 
+    def running(self, *prompt_lens: int):
+        """Prefill requests of these prompt lengths, merge them, run one clean decode step (checked)."""
+        batch = self.to_decode(*[self.prefill(n) for n in prompt_lens])
+        self.decode(batch)
+        if set(self.verdict(batch).values()) != {0}:
+            raise RuntimeError(f"a fault-free decode step was flagged: {self.verdict(batch)}")
+        self.sample(batch)
+        return batch
+
     def to_decode(self, *batches):
         """Merge prefilled batches into one running batch (what the scheduler does after prefill)."""
         running = batches[0]

@@ -338,15 +338,10 @@ class TransferIntoReallocated(Fault):
         request that writes its next token there; the stale transfer lands at the start of a later step,
         over that token, before the new owner reads it.
         """
-        in_flight = getattr(engine, "in_flight", None)
-        if ctx.kind != "transfer" or not in_flight:
-            return None
-        receivers = [t for t in in_flight.values()
-                     if t.land_step > engine.step_id and t.request.status == "running"]
-        takers = _growing_now(engine)
-        if not receivers or not takers:
+        picked = _in_flight_pick(engine, rng, ctx)
+        if picked is None:
             return None  # no transfer with a step to go, or no growth to take the pages: retry later
-        transfer = rng.choice(receivers)
+        transfer, takers = picked
         engine.allocator.free(transfer.pages)
         return {"request": transfer.request.rid, "pages": transfer.pages.tolist(), "lands": transfer.land_step,
                 "takers": [r.rid for r in takers]}
@@ -373,6 +368,18 @@ class RankDivergentEntry(Fault):
         if getattr(engine, "tp_rank", 0) == target:
             engine.table[request.row, j] = page
         return {"rank": target, "request": request.rid, "logical_page": j, "old_page": old, "new_page": page}
+
+
+def _in_flight_pick(engine, rng, ctx):
+    """(an in-flight transfer with a step still to go, the requests growing into new pages now), or None."""
+    in_flight = getattr(engine, "in_flight", None)
+    if ctx.kind != "transfer" or not in_flight:
+        return None
+    receivers = [t for t in in_flight.values() if t.land_step > engine.step_id and t.request.status == "running"]
+    takers = _growing_now(engine)
+    if not receivers or not takers:
+        return None
+    return rng.choice(receivers), takers
 
 
 def _growing_now(engine) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .catalog import Fault, _growing_now, _owned, register
+from .catalog import Fault, _in_flight_pick, _owned, register
 
 
 class RealBug(Fault):
@@ -126,14 +126,10 @@ class PdAbortMidTransfer(RealBug):
     def apply(self, engine, rng, ctx):
         from ..engine.engine import Engine
 
-        in_flight = getattr(engine, "in_flight", None)
-        if ctx.kind != "transfer" or not in_flight:
+        picked = _in_flight_pick(engine, rng, ctx)
+        if picked is None:
             return None
-        receivers = [t for t in in_flight.values() if t.land_step > engine.step_id and t.request.status == "running"]
-        takers = _growing_now(engine)
-        if not receivers or not takers:
-            return None
-        transfer = rng.choice(receivers)
+        transfer, takers = picked
         # the bug: the request's release path (Engine.abort) without the phase-split cancel
         Engine.abort(engine, transfer.request, "aborted (client timeout) while its KV transfer was in flight")
         return {"request": transfer.request.rid, "pages": transfer.pages.tolist(), "lands": transfer.land_step,

@@ -12,14 +12,6 @@ import torch
 pytestmark = pytest.mark.sglang
 
 
-def _running(rig, *prompt_lens):
-    batch = rig.to_decode(*[rig.prefill(n) for n in prompt_lens])
-    rig.decode(batch)
-    assert set(rig.verdict(batch).values()) == {0}
-    rig.sample(batch)
-    return batch
-
-
 def test_double_free_is_caught_for_the_earlier_owner(rig_ps):
     rig, ps = rig_ps, rig_ps.page_size
     gone = rig.prefill(ps)  # one full page
@@ -39,7 +31,7 @@ def test_double_free_is_caught_for_the_earlier_owner(rig_ps):
 
 def test_premature_free_is_caught_before_the_page_is_reused(rig_ps):
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, 2 * ps + 1, ps + 3)
+    batch = rig.running(2 * ps + 1, ps + 3)
     victim, other = batch.reqs
     page = rig.pages_of(victim)[0]
     rig.allocator.free(rig.page_slots(page))  # freed while the request still maps it
@@ -52,7 +44,7 @@ def test_premature_free_is_caught_before_the_page_is_reused(rig_ps):
 
 def test_swapped_req_to_token_entries_flag_both_requests(rig_ps):
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, 3 * ps, 3 * ps, ps)
+    batch = rig.running(3 * ps, 3 * ps, ps)
     a, b, c = batch.reqs
     table = rig.req_to_token_pool.req_to_token
     ra, rb = a.kv.req_pool_idx, b.kv.req_pool_idx
@@ -66,7 +58,7 @@ def test_swapped_req_to_token_entries_flag_both_requests(rig_ps):
 
 def test_out_of_range_entry_is_flagged(rig_ps):
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, 2 * ps + 2, ps)
+    batch = rig.running(2 * ps + 2, ps)
     a, b = batch.reqs
     beyond = (rig.allocator.num_pages + 7) * ps  # a slot past the pool: attention would read off the end
     rig.req_to_token_pool.req_to_token[a.kv.req_pool_idx, 0] = beyond
@@ -80,7 +72,7 @@ def test_stale_row_after_release_and_reuse_is_flagged(make_rig):
     # a request keeps decoding from a row SGLang already gave to somebody else (stale req_pool_idx)
     rig = make_rig(16)
     rig.install(registry=rig.registry)
-    batch = _running(rig, 20, 20)
+    batch = rig.running(20, 20)
     a, b = batch.reqs
     stale_row = a.kv.req_pool_idx
     rig.release(a)
@@ -100,7 +92,7 @@ def test_token_allocator_page_size_one(make_rig):
     # SGLang's page_size=1 deployments use TokenToKVPoolAllocator (kv_cache_configurator)
     rig = make_rig(1, allocator="token")
     rig.install(registry=rig.registry)
-    batch = _running(rig, 9, 4)
+    batch = rig.running(9, 4)
     a, b = batch.reqs
     rig.allocator.free(rig.row(a)[3:4].long())
     rig.decode(batch)
@@ -113,7 +105,7 @@ def test_abort_marks_exactly_the_flagged_requests(rig_ps):
     from kvguard.sglang.plugin import _around_handle_finish
 
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, ps + 1, 2 * ps, ps + 5)
+    batch = rig.running(ps + 1, 2 * ps, ps + 5)
     a, b, c = batch.reqs
     rig.allocator.free(rig.page_slots(rig.pages_of(b)[0]))
     rig.decode(batch)
@@ -143,7 +135,7 @@ def test_abort_marks_exactly_the_flagged_requests(rig_ps):
 
 def test_verdict_travels_with_the_overlap_copy(rig_ps):
     rig = rig_ps
-    batch = _running(rig, 5, 7)
+    batch = rig.running(5, 7)
     rig.decode(batch)
     copy = batch.copy()  # what the overlap scheduler queues for process_batch_result
     assert copy._kvguard is batch._kvguard and copy._kvguard.reqs == batch.reqs
@@ -152,7 +144,7 @@ def test_verdict_travels_with_the_overlap_copy(rig_ps):
 def test_no_host_sync_ops_in_the_clean_step_beyond_the_verdict(rig_ps):
     # the check reads every token entry the batch maps (the slot this step writes included)
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, 3 * ps + 1, ps)
+    batch = rig.running(3 * ps + 1, ps)
     before = rig.guard.tracker.metrics.entries._value.get()
     rig.decode(batch)
     tokens = sum(int(n) for n in batch.seq_lens_cpu.tolist())

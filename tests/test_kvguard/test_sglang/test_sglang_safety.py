@@ -17,14 +17,6 @@ import torch
 pytestmark = pytest.mark.sglang
 
 
-def _running(rig, *prompt_lens):
-    batch = rig.to_decode(*[rig.prefill(n) for n in prompt_lens])
-    rig.decode(batch)
-    assert set(rig.verdict(batch).values()) == {0}
-    rig.sample(batch)
-    return batch
-
-
 def _free_pages(rig) -> list[int]:
     """Every page on SGLang's free lists (page ids; slots for the page-size-1 token allocator)."""
     pages = rig.allocator.get_all_free_pages()
@@ -46,7 +38,7 @@ def _all_pages(rig) -> list[int]:
 # -- 1. the abort releases only what the request legitimately holds --------------------------------------
 def test_abort_never_frees_another_requests_page(rig_ps):
     rig, ps = rig_ps, rig_ps.page_size
-    batch = _running(rig, 2 * ps + 3, 2 * ps + 3, 2 * ps + 3)
+    batch = rig.running(2 * ps + 3, 2 * ps + 3, 2 * ps + 3)
     a, b, c = batch.reqs
     c_page, a_page1 = rig.pages_of(c)[0], rig.pages_of(a)[1]
     rig.row(a)[ps:2 * ps] = rig.page_slots(c_page).to(torch.int32)  # A's 2nd page now names C's 1st
@@ -101,7 +93,7 @@ def test_write_slot_of_a_flagged_request_is_redirected_before_the_forward(make_r
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     ps = 16
-    batch = _running(rig, ps + 3, ps + 3)
+    batch = rig.running(ps + 3, ps + 3)
     a, c = batch.reqs
     c_page0 = rig.pages_of(c)[0]
     seq = int(a.kv.kv_allocated_len)  # the next write goes to position seq, slot = row[seq - 1] + 1
@@ -136,7 +128,7 @@ def test_entry_inside_a_page_is_checked(make_rig, kind):
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     ps = 16
-    batch = _running(rig, 2 * ps + 1, 2 * ps + 1)
+    batch = rig.running(2 * ps + 1, 2 * ps + 1)
     a, b = batch.reqs
     own = rig.pages_of(a)[0]
     if kind == "other_page":
@@ -291,7 +283,7 @@ def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig):
 
     rig = make_rig(16)
     rig.install(registry=rig.registry)
-    running = _running(rig, 20, 20)
+    running = rig.running(20, 20)
     a, b = running.reqs
     rig.row(a)[3] = rig.pages_of(b)[0] * 16 + 3  # broken before the mixed step's prepare_for_decode
     rig.decode(running)
