@@ -18,10 +18,8 @@ pytestmark = pytest.mark.sglang
 
 
 def _free_pages(rig) -> list[int]:
-    """Every page on SGLang's free lists (page ids; slots for the page-size-1 token allocator)."""
-    pages = rig.allocator.get_all_free_pages()
-    staged = getattr(rig.allocator, "staged_pages", None) or []
-    return sorted(torch.cat([pages, *staged]).tolist()) if staged else sorted(pages.tolist())
+    """Every page on SGLang's free lists (staged / release lists included; slots for the token allocator)."""
+    return sorted(rig.allocator.get_all_free_pages().tolist())
 
 
 def _abort_flagged(rig, batch):
@@ -36,8 +34,10 @@ def _all_pages(rig) -> list[int]:
 
 
 # -- 1. the abort releases only what the request legitimately holds --------------------------------------
-def test_abort_never_frees_another_requests_page(rig_ps):
-    rig, ps = rig_ps, rig_ps.page_size
+@pytest.mark.parametrize("page_size,need_sort", [(1, False), (16, False), (1, True), (16, True)])
+def test_abort_never_frees_another_requests_page(make_rig, page_size, need_sort):
+    rig, ps = make_rig(page_size, need_sort=need_sort), page_size
+    rig.install(registry=rig.registry)
     batch = rig.running(2 * ps + 3, 2 * ps + 3, 2 * ps + 3)
     a, b, c = batch.reqs
     c_page, a_page1 = rig.pages_of(c)[0], rig.pages_of(a)[1]
