@@ -70,8 +70,10 @@ def prompts(workload: dict, page_size: int) -> tuple[list[list[int]], list[list[
 def _read_log(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
+    # NOTE: the scheduler process appends while this reads: parse complete lines only (a line still being
+    # written has no newline yet and is read again next time).
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 async def _one(engine, ids, new, rid):

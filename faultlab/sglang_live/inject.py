@@ -230,9 +230,13 @@ def register(env=None) -> bool:
 
 
 def _log(event: str, **fields) -> None:
-    line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields})
-    with _State.lock, open(_State.log_path, "a") as f:
-        f.write(line + "\n")
+    line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n"
+    with _State.lock:  # one O_APPEND write per line: readers never see half of it
+        fd = os.open(_State.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------
