@@ -40,7 +40,7 @@ CLASSES_PS1 = [f for f in CLASSES if f != "in_page_entry"]  # no entry inside a 
 ORDER = ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry", "premature_free",
          "double_free", "stale_row"]
 SEED = 1
-ENGINE_TIMEOUT = 420
+ENGINE_TIMEOUT = 840  # one engine process runs all its episodes; a loaded 2-core machine took up to ~5 min
 
 
 SOAK = {"n1": 8, "n2": 4, "new1": 160, "new2": 96}  # 7 episodes: > 1,000 decode batches
