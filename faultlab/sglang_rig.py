@@ -90,6 +90,13 @@ class Rig:
         batch.prepare_for_extend()
         return batch
 
+    def publish(self, tokens) -> list[int]:
+        """Prefill one request of ``tokens`` and finish it into the radix tree; its pages (the tree's now)."""
+        req = self.prefill(reqs=[self.make_req(0, tokens=tokens)]).reqs[0]
+        pages = self.pages_of(req)
+        self.release(req, checkpoint=True)
+        return pages
+
     def running(self, *prompt_lens: int):
         """Prefill requests of these prompt lengths, merge them, run one clean decode step (checked)."""
         batch = self.to_decode(*[self.prefill(n) for n in prompt_lens])

@@ -62,8 +62,7 @@ def test_abort_leaves_a_shared_tree_page_with_its_holders(make_rig):
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     ps, prefix = 16, [11 + i for i in range(32)]
-    first = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [901])])
-    rig.release(first.reqs[0], checkpoint=True)  # the tree keeps its two full pages
+    rig.publish(prefix + [901])  # the tree keeps its two full pages
     holders = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [902 + i]) for i in range(2)])
     other = rig.prefill(2 * ps + 3)
     batch = rig.to_decode(holders, other)
@@ -110,8 +109,7 @@ def test_extend_write_slots_of_a_flagged_request_are_redirected(make_rig):
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     prefix = [21 + i for i in range(32)]
-    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [5])])
-    rig.release(done.reqs[0], checkpoint=True)
+    rig.publish(prefix + [5])
     tree_page = rig.pages_of(rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [6])]).reqs[0])[1]
     rig.allocator.free(rig.page_slots(tree_page))  # the bug: a tree page freed while the tree maps it
     batch = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [7, 8, 9]), rig.make_req(20)])
@@ -148,9 +146,7 @@ def test_prefill_matching_a_freed_tree_page_is_flagged_and_discarded(rig_ps):
 
     rig, ps = rig_ps, rig_ps.page_size
     prefix = [31 + i for i in range(2 * ps)]
-    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [5])])
-    tree_pages = rig.pages_of(done.reqs[0])[:2]
-    rig.release(done.reqs[0], checkpoint=True)
+    tree_pages = rig.publish(prefix + [5])[:2]
     rig.allocator.free(rig.page_slots(tree_pages[0]))  # freed while the tree still references it
     thief = rig.prefill(ps)  # LIFO reuse: another request now owns and writes that page
     assert rig.pages_of(thief.reqs[0])[0] == tree_pages[0]
@@ -312,8 +308,7 @@ def test_stale_row_abort_gives_back_its_pages_and_tree_lock(make_rig):
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     prefix = [41 + i for i in range(32)]
-    done = rig.prefill(reqs=[rig.make_req(0, tokens=prefix + [1])])
-    rig.release(done.reqs[0], checkpoint=True)
+    rig.publish(prefix + [1])
     matcher = rig.make_req(0, tokens=prefix + [2, 3, 4])
     matcher.lock = rig.tree.lock(matcher.last_node)  # what SGLang's PrefillAdder does for a prefix hit
     batch = rig.to_decode(rig.prefill(reqs=[matcher]), rig.prefill(40))
