@@ -56,6 +56,10 @@ class NoopTracker:
         ``where`` (a bool mask, on the device: no sync) limits the update; other entries keep theirs.
         """
 
+    def record_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, *,
+                      fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+        """One decode step's growth: each request whose position starts a page maps its new page there."""
+
     def drop(self, row: int) -> None:
         """Request slot ``row`` released its pages."""
 
@@ -64,7 +68,8 @@ class NoopTracker:
         raise NotImplementedError("the no-op tracker records nothing")
 
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
-                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None) -> Check | None:
+                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None,
+                 guard=None) -> Check | None:
         """Launch the batched check (the no-op tracker launches nothing and returns None)."""
         return None
 

@@ -71,7 +71,10 @@ class TagTracker(NoopTracker):
         self.use_triton = self._pick_triton(torch.device(device))
         from .kernels import tag_check  # lazy: Triton is imported only by a checking tracker
 
+        from .kernels import record
+
         self._check = tag_check.tag_check if self.use_triton else tag_check.tag_check_ref
+        self._record_decode = record.record_decode if self.use_triton else record.record_decode_ref
 
     def _pick_triton(self, device: torch.device) -> bool:
         backend = self.config.backend
@@ -154,6 +157,22 @@ class TagTracker(NoopTracker):
             self.expected[rows, cols] = tags
             self.expected_pages[rows, cols] = pages32
 
+    def record_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, *,
+                      fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+        """One decode step: each request whose position starts a page expects its new page (one launch).
+
+        ``positions[b]`` is the token request ``b`` writes into ``slots[b]``; the k-th request whose
+        position starts a page got the step's k-th allocated page, tagged ``fresh[k]`` (the tags
+        :meth:`on_alloc` returned; None: the pages' current tags). ``skip`` (bool, device) leaves requests
+        out. Device tensors, no sync (see ``kvguard.kernels.record``).
+        """
+        self._require_attached()
+        dev = self.expected.device
+        with self.lock:
+            self._record_decode(self.expected, self.expected_pages, rows.to(dev), positions.to(dev), slots.to(dev),
+                                self.tags.tags, page_size=self.page_size,
+                                fresh=None if fresh is None else fresh.to(dev), skip=None if skip is None else skip.to(dev))
+
     def drop(self, row: int) -> None:
         self._require_attached()
         row = self._check_row("drop", row)
@@ -186,35 +205,49 @@ class TagTracker(NoopTracker):
         with self.lock:
             return self.tags.gather(pages)
 
-    def warm_up(self, table: torch.Tensor, *, page_div: int = 1, per_token: bool = False) -> None:
-        """Compile every variant of the check kernel now (one per block size), so no request pays for it.
+    def warm_up(self, table: torch.Tensor, *, page_div: int = 1, per_token: bool = False,
+                slot_dtype: torch.dtype = torch.int64) -> None:
+        """Compile every kernel variant a server uses now, so no request pays for a compile.
 
-        Launches on row 0 of ``table`` with nothing live; counts no check and changes no state.
+        The check: every block size, row indices as int32 or int64, lengths as int64, without and with
+        a write guard over ``slot_dtype`` slots (one per request, or segments); the decode recorder.
+        Launches with nothing live; counts no check and changes no state.
         """
         self._require_attached()
         if not self.use_triton:
             return
-        from .kernels.tag_check import block_sizes
+        from .kernels.tag_check import WriteGuard, block_sizes
 
         dev = self.expected.device
+        lens = torch.zeros(1, dtype=torch.int64, device=dev)
+        slots = torch.full((1,), self.scratch_page * page_div, dtype=slot_dtype, device=dev)
+        guards = (None, WriteGuard(slots), WriteGuard(slots, lens, lens))
         for dtype in (torch.int32, torch.int64):  # row indices arrive as either
             rows = torch.zeros(1, dtype=dtype, device=dev)
-            for block in block_sizes():
-                with self.lock:
-                    self._check(table, rows, rows, rows, self.tags.tags, self.expected, max_entries=block,
-                                page_div=page_div, per_token=per_token, quarantine=False)
+            for n_entries, guard in [(rows, None)] + [(lens, g) for g in guards]:
+                for block in block_sizes():
+                    with self.lock:
+                        self._check(table, rows, rows, n_entries, self.tags.tags, self.expected, max_entries=block,
+                                    page_div=page_div, per_token=per_token, quarantine=False, guard=guard)
+            pos = torch.ones(1, dtype=torch.int64, device=dev)  # not a page start: nothing is recorded
+            for fresh in (None, self.tags.tags[:1]):
+                for skip in (None, torch.zeros(1, dtype=torch.bool, device=dev)):
+                    self._record_decode(self.expected, self.expected_pages, rows, pos, slots, self.tags.tags,
+                                        page_size=self.page_size, fresh=fresh, skip=skip)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,
-                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None) -> Check:
+                 source_rows=None, entry_step=1, page_div=1, per_token=False, entries_hint=None,
+                 guard=None) -> Check:
         """Check ``table`` rows against expected tags; quarantine failing entries in ``table``.
 
         ``table`` is what the next kernel reads: a batch-packed page table ``[B, P]`` (then
         ``table_rows`` defaults to ``0..B-1``) or a token table indexed by ``table_rows``. ``rows`` are
         the request slots. ``source`` (default: ``table``) is the engine's untouched table, used only to
-        explain a failure.
+        explain a failure. ``guard`` (a ``kvguard.kernels.tag_check.WriteGuard``): the forward's write
+        slots, rewritten to a scratch slot for every flagged request in the same launch.
         """
         self._require_attached()
         batch = rows.numel()
@@ -229,7 +262,7 @@ class TagTracker(NoopTracker):
             verdict = self._check(table, table_rows, rows, n_entries, self.tags.tags, self.expected,
                                   max_entries=max_entries, scratch_page=self.scratch_page,
                                   entry_step=entry_step, page_div=page_div, per_token=per_token,
-                                  quarantine=quarantine)
+                                  quarantine=quarantine, guard=guard)
         self.metrics.checks.inc()
         if entries_hint is not None:
             self.metrics.entries.inc(entries_hint)

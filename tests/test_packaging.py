@@ -120,9 +120,10 @@ def test_runtime_install_pulls_nothing_of_faultlab():
     assert "pytest11" not in project.get("entry-points", {})
 
 
-def test_kvguard_ships_only_its_own_kernel():
-    """kvguard/ is the production tracker: its one kernel is the check; the engine owns the others."""
-    assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "tag_check.py"]
+def test_kvguard_ships_only_its_own_kernels():
+    """kvguard/ is the production tracker: its kernels are the check and the decode recorder; the engine owns
+    the others (attention, KV store, INT4 GEMM)."""
+    assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "record.py", "tag_check.py"]
 
 
 def test_kvguard_sources_never_import_pytest_or_hypothesis():

@@ -1,4 +1,5 @@
-"""kvguard's one Triton kernel, the batched validation pass (``tag_check``), beside its torch reference.
+"""kvguard's Triton kernels beside their torch references: the batched validation pass (``tag_check``, with
+the write guard riding on it) and the decode recorder (``record``).
 
 It lives inside the ``kvguard`` package on purpose: there is no top-level ``kernels`` folder, so a bare
 ``import kernels`` never finds this repository (SGLang and transformers import the PyPI package

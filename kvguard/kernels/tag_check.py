@@ -17,10 +17,17 @@ Two table shapes are supported:
   for logical page ``j // page_div`` and its in-page offset must be ``j % page_div``, so an entry changed
   inside a page is caught too, not only the first entry of each page.
 
+A write guard (:class:`WriteGuard`) may ride on the same launch: every program that finds a bad entry
+also rewrites its request's KV write slots for the coming forward to a scratch slot, so a flagged
+request's new K/V cannot land in another request's page before the verdict is read (one launch instead
+of a row sum, a compare, an expansion and a masked fill on the stream).
+
 Nothing the caller asks for is skipped silently: entries past what one launch can reach (``max_entries``,
 the table's width, ``expected``'s width) count as bad, and a row index outside ``table`` or ``expected``
 flags its request without any load.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,12 +38,32 @@ DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs
 # NOTE: the grid-shaped integers change from step to step (n_chunks is 1 for a short batch, many for a long
 # one); specializing on them (== 1, % 16) would compile new variants mid-serving. Only BLOCK and the flags
 # select a variant, so warming up every block size (TagTracker.warm_up) compiles all of them.
-@triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "cap", "slot_limit", "scratch_page", "n_chunks"])
+@dataclass(frozen=True)
+class WriteGuard:
+    """The coming forward's KV write slots, rewritten to ``scratch`` for every flagged request.
+
+    ``slots`` (1-D int32/int64, on the table's device) is changed in place. Without ``starts``/``lens``
+    batch entry ``b`` owns ``slots[b]`` (a decode step); with them it owns
+    ``slots[starts[b]:starts[b] + lens[b]]`` (an extend: one slot per new token).
+    """
+
+    slots: torch.Tensor
+    starts: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    scratch: int = 0
+
+
+GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS = 0, 1, 2  # the kernel's write-guard modes
+
+
+@triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "cap", "slot_limit", "scratch_page", "n_chunks",
+                               "scratch_slot"])
 def _tag_check_kernel(
     table_ptr, table_rows_ptr, expected_rows_ptr, n_entries_ptr, tags_ptr, expected_ptr, verdict_ptr,
     table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_page, n_chunks,
+    out_ptr, out_starts_ptr, out_lens_ptr, scratch_slot,
     ENTRY_STEP: tl.constexpr, PAGE_DIV: tl.constexpr, PER_TOKEN: tl.constexpr, QUARANTINE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GUARD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -68,6 +95,17 @@ def _tag_check_kernel(
     unchecked = tl.where(rows_ok, tl.maximum(n - cap, 0), tl.maximum(n, 1)).to(tl.int32)
     count += tl.where(chunk == 0, unchecked, 0)
     tl.store(verdict_ptr + b * n_chunks + chunk, count)
+    # The write guard: any program that found a bad entry rewrites its request's write slots (several
+    # programs of one request may store the same value: no atomics needed).
+    if GUARD == 1:
+        tl.store(out_ptr + b, (count * 0 + scratch_slot).to(out_ptr.dtype.element_ty), mask=count > 0)
+    if GUARD == 2:
+        first = tl.load(out_starts_ptr + b).to(tl.int64)
+        length = tl.load(out_lens_ptr + b).to(tl.int64)
+        for s in range(0, length, BLOCK):
+            idx = s + tl.arange(0, BLOCK)
+            tl.store(out_ptr + first + idx, (idx * 0 + scratch_slot).to(out_ptr.dtype.element_ty),
+                     mask=(idx < length) & (count > 0))
 
 
 def block_sizes() -> list[int]:
@@ -85,9 +123,22 @@ def _block_for(max_entries: int, block: int | None) -> int:
     return max(16, min(DEFAULT_BLOCK, triton.next_power_of_2(max(1, max_entries))))
 
 
-def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token):
+def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
+                   guard=None):
     def fail(name, why):
         raise ValueError(f"tag_check: {name} {why}")
+
+    if guard is not None:
+        for name, t in (("guard.slots", guard.slots), ("guard.starts", guard.starts), ("guard.lens", guard.lens)):
+            if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != table.device):
+                fail(name, f"must be a 1-D int32/int64 tensor on {table.device}, got {tuple(t.shape)} {t.dtype} {t.device}")
+        if (guard.starts is None) != (guard.lens is None):
+            fail("guard", "needs both starts and lens, or neither")
+        if guard.starts is None and guard.slots.numel() != table_rows.numel():
+            fail("guard.slots", f"has {guard.slots.numel()} slots for {table_rows.numel()} batch entries "
+                                f"(give starts/lens when a request writes several slots)")
+        if guard.starts is not None and not guard.starts.numel() == guard.lens.numel() == table_rows.numel():
+            fail("guard.starts/lens", f"must have one entry per batch entry ({table_rows.numel()})")
 
     if table.dim() != 2 or table.dtype not in (torch.int32, torch.int64):
         fail("table", f"must be a 2-D int32/int64 tensor, got {tuple(table.shape)} {table.dtype}")
@@ -120,7 +171,7 @@ def _cap(table, expected, n_chunks: int, blk: int, entry_step: int, page_div: in
 
 def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
               scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
-              quarantine: bool = True, block: int | None = None) -> torch.Tensor:
+              quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None) -> torch.Tensor:
     """Validate page-table entries against expected tags; quarantine bad entries in place.
 
     Args:
@@ -134,11 +185,14 @@ def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, ma
             past it (or past the table's or ``expected``'s width) are counted as bad, never skipped.
         per_token: ``table`` is a token table (``entry_step`` 1) and every token entry is checked: its
             page against ``expected[row, j // page_div]`` and its in-page offset against ``j % page_div``.
+        guard: the coming forward's write slots; those of every flagged request become
+            ``guard.scratch`` (:class:`WriteGuard`).
     A row index outside ``table`` or ``expected`` flags its request without reading anything.
     Returns:
         verdict: int32 ``[B, n_chunks]``, bad entries per chunk; ``verdict.sum(1) > 0`` flags a request.
     """
-    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token)
+    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
+                   guard)
     blk = _block_for(max_entries, block)
     batch = table_rows.numel()
     n_chunks = max(1, triton.cdiv(max_entries, blk))
@@ -146,20 +200,27 @@ def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, ma
     if batch == 0:
         return verdict
     cap = _cap(table, expected, n_chunks, blk, entry_step, page_div, per_token)
+    mode = GUARD_NONE if guard is None else GUARD_ONE if guard.starts is None else GUARD_SEGMENTS
+    out = verdict if guard is None else guard.slots
+    starts = verdict if mode != GUARD_SEGMENTS else guard.starts
+    lens = verdict if mode != GUARD_SEGMENTS else guard.lens
     _tag_check_kernel[(batch, n_chunks)](
         table, table_rows, expected_rows, n_entries, tags, expected, verdict,
         table.stride(0), expected.stride(0), table.shape[0], expected.shape[0], cap,
         tags.numel() * page_div, scratch_page, n_chunks,
-        ENTRY_STEP=entry_step, PAGE_DIV=page_div, PER_TOKEN=per_token, QUARANTINE=quarantine, BLOCK=blk,
+        out, starts, lens, 0 if guard is None else guard.scratch,
+        ENTRY_STEP=entry_step, PAGE_DIV=page_div, PER_TOKEN=per_token, QUARANTINE=quarantine, GUARD=mode,
+        BLOCK=blk,
     )
     return verdict
 
 
 def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
                   scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
-                  quarantine: bool = True, block: int | None = None) -> torch.Tensor:
-    """Torch reference of :func:`tag_check` (same arguments, same verdict, same quarantine)."""
-    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token)
+                  quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None) -> torch.Tensor:
+    """Torch reference of :func:`tag_check` (same arguments, same verdict, same quarantine, same guard)."""
+    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
+                   guard)
     blk = _block_for(max_entries, block)
     n_chunks = max(1, -(-max_entries // blk))
     batch = table_rows.numel()
@@ -190,4 +251,16 @@ def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *
     verdict = bad.view(-1, n_chunks, blk).sum(-1).to(torch.int32)
     unchecked = torch.where(rows_ok, (n - cap).clamp(min=0), n.clamp(min=1)).to(torch.int32)
     verdict[:, 0] += unchecked
+    if guard is not None:
+        _guard_ref(guard, verdict.sum(1) > 0)
     return verdict
+
+
+def _guard_ref(guard: WriteGuard, flagged: torch.Tensor) -> None:
+    """The write guard in torch: every slot of a flagged batch entry becomes ``guard.scratch``."""
+    if guard.starts is None:
+        guard.slots.masked_fill_(flagged, guard.scratch)
+        return
+    for b in flagged.nonzero().flatten().tolist():
+        first, length = int(guard.starts[b]), int(guard.lens[b])
+        guard.slots[first:first + length] = guard.scratch

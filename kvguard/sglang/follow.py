@@ -44,7 +44,7 @@ class PoolFollower:
         self.device = table.device
         # NOTE: quarantine is off. SGLang's req_to_token is a token-level table that the attention
         # backends, the radix tree and the PD transfer all read; rewriting entries would corrupt their
-        # view. A bad entry aborts its request instead, and its write slot is redirected (guard_writes).
+        # view. A bad entry aborts its request instead, and its write slot is redirected (the check's write guard).
         self.tracker = TagTracker(replace(config, mode="check", quarantine=False), registry)
         self.max_pages = math.ceil(table.shape[1] / ps)
         self.tracker.attach(num_pages=self.num_pages + 1, num_rows=self.num_rows, max_entries=self.max_pages,
@@ -240,23 +240,25 @@ class PoolFollower:
         ps = self.page_size
         pos = batch.seq_lens.long()  # the position being written (seq_lens is incremented afterwards)
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
-        # never refresh it from the table (that would launder a swapped or freed entry). Device mask,
-        # no sync.
-        new = pos % ps == 0
-        fresh, tags = self._fresh, None
-        if fresh is not None and fresh.numel():
-            # the k-th request that needs a new page got the allocation's k-th page (batch order)
-            k = (torch.cumsum(new.long(), 0) - 1).clamp(0, fresh.numel() - 1).to(fresh.device)
-            tags = fresh[k]
+        # never refresh it from the table (that would launder a swapped or freed entry). One launch, no
+        # sync (kvguard.kernels.record).
+        fresh = self._fresh if self._fresh is not None and self._fresh.numel() else None
         stale = self.stale(batch)
+        skip = None
         if any(stale):
             # Rare: a request decoding on a row that now belongs to another request. Its new page is its
             # own (given back when it is aborted) and must not overwrite the row owner's expectations.
             table = self.req_to_token_pool.req_to_token
-            for i in (i for i, s in enumerate(stale) if s):
+            new = (pos % ps == 0).tolist()
+            k = -1
+            for i, s in enumerate(stale):
+                k += new[i]
+                if not s:
+                    continue
                 row, p = int(batch.req_pool_indices[i]), int(pos[i])
-                if p % ps == 0:
-                    tag = int(tags[i]) if tags is not None else int(self.tracker.current_tags(out_cache_loc[i:i + 1] // ps))
+                if new[i]:
+                    tag = int(fresh[min(k, fresh.numel() - 1)]) if fresh is not None else \
+                        int(self.tracker.current_tags(out_cache_loc[i:i + 1] // ps))
                     batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
                         (int(out_cache_loc[i]) // ps, tag))
                 # SGLang has just written this request's slot into the row's entry p, which the row's
@@ -264,9 +266,9 @@ class PoolFollower:
                 owner_pages, owner_tags = self.tracker.expectation(row, p // ps, p // ps + 1)
                 if owner_tags.numel() and int(owner_tags[0]) != UNSET:
                     table[row, p] = int(owner_pages[0]) * ps + p % ps
-            new = new & ~self.to_device(stale, torch.bool)
-        self.tracker.record_many(batch.req_pool_indices, torch.div(pos, ps, rounding_mode="floor"),
-                                 out_cache_loc.long() // ps, where=new, tags=tags)
+            skip = self.to_device(stale, torch.bool)
+        # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
+        self.tracker.record_decode(batch.req_pool_indices, pos, out_cache_loc, fresh=fresh, skip=skip)
 
     def to_device(self, values, dtype) -> torch.Tensor:
         """A small host list on the pools' device without waiting for the stream (pinned, async copy).

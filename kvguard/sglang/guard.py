@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.tag_check import WriteGuard
 from ..tracker import Check
 from ..violations import KVGuardViolation
 from .follow import PoolFollower
@@ -45,7 +46,8 @@ class SGLangGuard(PoolFollower):
         Every token ``t < seq_len`` of each request (the slot this step writes included: SGLang has
         written it into ``req_to_token`` already) must sit in the page the request expects at logical
         page ``t // page_size``, at in-page offset ``t % page_size``. One launch, no host sync; then the
-        write slots of flagged requests are redirected to the padding slot (:meth:`guard_writes`).
+        write slots of flagged requests are redirected to the padding slot in the same launch
+        (:meth:`write_guard`).
         """
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None:  # never read the device tensor back (that would wait for the forward in flight)
@@ -58,11 +60,14 @@ class SGLangGuard(PoolFollower):
         stale = self.stale(batch)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
-        n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
+        # Every row followed (the normal case): the batch's own device lengths, no copy at all.
+        n_entries = batch.seq_lens if bool(known.all()) else self.to_device(n_cpu.tolist(), n_cpu.dtype)
         check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows, n_entries,
                                       max_entries=max_entries, table_rows=rows, page_div=self.page_size,
-                                      per_token=True, entries_hint=int(n_cpu.sum()))
-        self.guard_writes(batch, check, stale)
+                                      per_token=True, entries_hint=int(n_cpu.sum()),
+                                      guard=self.write_guard(batch))
+        if any(stale):
+            self.guard_stale(batch, stale)
         if on_cuda:
             host = torch.empty(check.verdict.shape, dtype=check.verdict.dtype, pin_memory=True)
             host.copy_(check.verdict, non_blocking=True)
@@ -74,25 +79,40 @@ class SGLangGuard(PoolFollower):
         batch._kvguard = pending
         return pending
 
-    def guard_writes(self, batch, check: Check, stale: list[bool]) -> None:
-        """Redirect this step's KV writes of flagged requests to the padding slot (device, no sync).
+    def write_guard(self, batch) -> WriteGuard | None:
+        """This step's KV write slots, which the check rewrites to the padding slot for flagged requests.
 
         SGLang writes a decode token at ``out_cache_loc`` = ``last_loc + 1`` read from ``req_to_token``,
         and extend tokens at the slots alloc_for_extend chose; a broken entry would land this step's K/V
-        in another live request's page before the verdict is read. The forward runs after this on the
-        same stream, so a flagged request writes only the slot SGLang itself uses for padding.
+        in another live request's page before the verdict is read. The check runs before the forward on
+        the same stream and, in the same launch, points a flagged request's writes at the slot SGLang
+        itself uses for padding (device, no sync).
         """
         out = batch.out_cache_loc
         if out is None or out.numel() == 0:
+            return None
+        if out.numel() == len(batch.reqs):  # decode (or one new token each): slot b is request b's
+            return WriteGuard(out, scratch=SCRATCH_SLOT)
+        lens = getattr(batch, "extend_lens", None)
+        if lens is None or sum(lens) != out.numel():
+            self.warn_once("write_guard", "kvguard: cannot map write slots to requests; writes unguarded")
+            return None
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        segments = self.to_device([starts, list(lens)], torch.int64)
+        return WriteGuard(out, segments[0], segments[1], scratch=SCRATCH_SLOT)
+
+    def guard_stale(self, batch, stale: list[bool]) -> None:
+        """Rare: requests whose row went to a newer owner write nothing either (their writes go to padding)."""
+        out = batch.out_cache_loc
+        if out is None or out.numel() == 0:
             return
-        bad = check.verdict.sum(1) > 0
-        if any(stale):
-            bad = bad | self.to_device(stale, torch.bool)
-        if out.numel() != bad.numel():  # extend: one slot per new token of each request
+        bad = self.to_device(stale, torch.bool)
+        if out.numel() != bad.numel():
             lens = getattr(batch, "extend_lens", None)
             if lens is None or sum(lens) != out.numel():
-                self.warn_once("write_guard", "kvguard: cannot map write slots to requests; writes unguarded")
-                return
+                return  # write_guard has warned
             bad = torch.repeat_interleave(bad, self.to_device(lens, torch.int64), output_size=out.numel())
         out.masked_fill_(bad, SCRATCH_SLOT)
 

@@ -418,3 +418,54 @@ def test_per_token_needs_entry_step_one(fn):
     case = make_case(19, batch=1, width=5)
     with pytest.raises(ValueError, match="entry_step"):
         fn(*case.args(), max_entries=5, entry_step=2, per_token=True)
+
+
+# -- the write guard riding on the check --------------------------------------------------------------------
+def _guard_case(seed: int, segments: bool):
+    from kvguard.kernels.tag_check import WriteGuard
+
+    ps = 16
+    case, seq = make_per_token_case(seed, batch=7, page_size=ps)
+    gen = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(0, 7, (1,), generator=gen))
+    j = int(torch.randint(0, int(seq[b]), (1,), generator=gen))
+    case.table[int(case.table_rows[b]), j] += 1 if int(case.table[int(case.table_rows[b]), j]) % ps < ps - 1 else -1
+    if segments:
+        lens = torch.randint(1, 9, (7,), generator=gen)
+        starts = torch.cumsum(lens, 0) - lens
+        slots = torch.randint(100, 10_000, (int(lens.sum()),), generator=gen)
+        return case, seq, b, lambda s: WriteGuard(s, starts, lens, scratch=3), slots, (starts, lens)
+    slots = torch.randint(100, 10_000, (7,), generator=gen)
+    return case, seq, b, lambda s: WriteGuard(s, scratch=3), slots, None
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["one_slot", "segments"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_write_guard_redirects_exactly_the_flagged_requests_slots(segments, seed):
+    case, seq, bad_b, make_guard, slots, seg = _guard_case(900 + seed, segments)
+    outs = {}
+    for fn in (tag_check, tag_check_ref):
+        out = slots.clone()
+        verdict = fn(*case.args(case.table.clone()), max_entries=int(seq.max()), page_div=16, per_token=True,
+                     quarantine=False, guard=make_guard(out), block=16)
+        flagged = (verdict.sum(1) > 0).nonzero().flatten().tolist()
+        assert flagged == [bad_b]
+        outs[fn.__name__] = out
+    want = slots.clone()
+    if seg is None:
+        want[bad_b] = 3
+    else:
+        first, length = int(seg[0][bad_b]), int(seg[1][bad_b])
+        want[first:first + length] = 3
+    assert torch.equal(outs["tag_check"], want) and torch.equal(outs["tag_check_ref"], want)
+    assert float(torch.linalg.norm((outs["tag_check"] - want).double())) / float(torch.linalg.norm(want.double())) == 0.0
+
+
+@pytest.mark.parametrize("fn", [tag_check, tag_check_ref])
+def test_write_guard_rejects_a_mismatched_slot_count(fn):
+    from kvguard.kernels.tag_check import WriteGuard
+
+    case, seq = make_per_token_case(950, batch=4, page_size=16)
+    with pytest.raises(ValueError, match="guard.slots"):
+        fn(*case.args(), max_entries=int(seq.max()), page_div=16, per_token=True, quarantine=False,
+           guard=WriteGuard(torch.zeros(3, dtype=torch.int64)))

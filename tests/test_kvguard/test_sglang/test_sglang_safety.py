@@ -17,6 +17,14 @@ import torch
 pytestmark = pytest.mark.sglang
 
 
+@pytest.fixture(autouse=True, params=["torch", "triton"])
+def kvguard_backend(request, monkeypatch):
+    """Every test on both backends: the torch references and the Triton kernels (interpreted on the CPU)
+    that a GPU server runs (the check with its write guard, the decode recorder)."""
+    monkeypatch.setenv("KVGUARD_BACKEND", request.param)
+    return request.param
+
+
 def _free_pages(rig) -> list[int]:
     """Every page on SGLang's free lists (staged / release lists included; slots for the token allocator)."""
     return sorted(rig.allocator.get_all_free_pages().tolist())
