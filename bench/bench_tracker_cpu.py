@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvguard import NoopTracker, TagTracker, TrackerConfig
+from kvguard import TrackerConfig, make_tracker
 
 REQUESTS = 256
 TOKENS = 9_192
@@ -68,7 +68,7 @@ class Setup:
         self.width = -(-TOKENS // page_size)  # pages per 9,192-token row
         spare = REQUESTS * 4
         self.num_pages = 1 + REQUESTS * self.width + spare
-        self.tracker = TagTracker(TrackerConfig(mode="check", backend="torch"), CollectorRegistry())
+        self.tracker = make_tracker(TrackerConfig(mode="check", backend="torch"), CollectorRegistry())
         self.tracker.attach(num_pages=self.num_pages, num_rows=REQUESTS, max_entries=self.width,
                             device="cpu", page_size=page_size)
         pages = torch.arange(1, 1 + REQUESTS * self.width).view(REQUESTS, self.width)
@@ -130,7 +130,7 @@ def bench_page_size(page_size: int, repeats: int) -> list[dict]:
 
 def bench_noop(repeats: int) -> dict:
     """The no-op tracker's per-step calls (what every deployment pays with kvguard off)."""
-    tracker = NoopTracker()
+    tracker = make_tracker(TrackerConfig(mode="off"))
     table = torch.zeros((REQUESTS, 8), dtype=torch.int32)
     rows = torch.arange(REQUESTS)
     n_entries = torch.full((REQUESTS,), 8, dtype=torch.int32)

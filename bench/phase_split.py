@@ -21,12 +21,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry
 
+from faultlab.chaos import checking_tracker
 from faultlab.demo import ENGINE, PROMPTS
 from faultlab.engine.factory import make_engine
 from faultlab.engine.requests import Request
-from kvguard import NoopTracker, TagTracker, TrackerConfig
 
 SPLIT = replace(ENGINE, phase_split=True, prefill_kv_dtype="bf16", transfer_lag=1)
 
@@ -86,9 +85,9 @@ def _time_transfers(tracker, n_pages: int, transfers: int, num_pages: int) -> li
 
 def guard_cost(transfers: int, num_pages: int = 4096) -> dict:
     torch.set_num_threads(1)
-    tag = TagTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry())
+    tag = checking_tracker()
     tag.attach(num_pages=num_pages + 1, num_rows=8, max_entries=64, device="cpu", page_size=16)
-    noop = NoopTracker()
+    noop = checking_tracker(on=False)
     out = {}
     for n_pages in (1, 4, 16):
         for name, tracker in (("tag", tag), ("noop", noop)):

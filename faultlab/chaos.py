@@ -6,7 +6,7 @@ mark as victims must be identical, token for token.
 import random
 from dataclasses import asdict, dataclass, field
 
-from kvguard import NoopTracker, TagTracker, TrackerConfig
+from kvguard import TrackerConfig, make_tracker
 from prometheus_client import CollectorRegistry
 
 from .engine.engine import Engine
@@ -80,13 +80,12 @@ def make_workload(scenario: Scenario, seed: int, vocab: int) -> list[tuple[int, 
     return arrivals
 
 
-def checking_tracker(log: bool = False) -> TagTracker:
-    """A checking TagTracker with its own Prometheus registry: runs and tests never share counters."""
-    return TagTracker(TrackerConfig(mode="check", log_violations=log), CollectorRegistry())
-
-
-def _tracker(on: bool):
-    return checking_tracker() if on else NoopTracker()
+def checking_tracker(log: bool = False, *, on: bool = True, backend: str = "auto"):
+    """faultlab's one way to build a tracker (``kvguard.make_tracker``): a checking TagTracker, or with
+    ``on=False`` the NoopTracker; ``log`` logs each violation. A checking tracker gets its own Prometheus
+    registry: runs, benchmarks and tests never share counters."""
+    config = TrackerConfig(mode="check" if on else "off", backend=backend, log_violations=log)
+    return make_tracker(config, CollectorRegistry())
 
 
 def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
@@ -102,7 +101,7 @@ def run_case(scenario: Scenario, fault: str | None, seed: int, tracker_on: bool,
         injector = Injector(fault, trigger or scenario.faults.trigger_for(rng),
                             count or scenario.faults.count, seed)
         observers.insert(0, injector)
-    engine = make_engine(engine_cfg, tracker=_tracker(tracker_on), observers=observers)
+    engine = make_engine(engine_cfg, tracker=checking_tracker(on=tracker_on), observers=observers)
     arrivals = make_workload(scenario, seed, engine.model.config.vocab)
     requests = [r for _, r in arrivals]
     drive(engine, arrivals)

@@ -37,7 +37,7 @@ def _add_run_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .engine.engine import PAGE_SIZES, EngineConfig
+    from .engine.options import KV_DTYPES, PAGE_SIZES, WEIGHT_DTYPES, EngineConfig
 
     parser = argparse.ArgumentParser(prog="faultlab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="greedy completion of a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2")
-    gen.add_argument("--kv-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
-    gen.add_argument("--weights", default="int4", choices=("int4", "bf16", "fp32"))
+    gen.add_argument("--kv-dtype", default=EngineConfig.kv_dtype, choices=tuple(KV_DTYPES))
+    gen.add_argument("--weights", default=EngineConfig.weight_dtype, choices=WEIGHT_DTYPES)
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--page-size", type=int, default=EngineConfig.page_size, choices=PAGE_SIZES)
     gen.add_argument("--kv-residual", action="store_true",
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     args.command_line = "faultlab " + " ".join(argv)  # recorded in result files
-    from .engine.engine import ConfigError
+    from .engine.options import ConfigError
     from .faults.catalog import UnknownFault
     from .scenario import ScenarioError
 
@@ -269,7 +269,7 @@ def _tokenizer_model(flag: str, name: str):
 
 
 def cmd_generate(args) -> int:
-    from .engine.engine import EngineConfig
+    from .engine.options import EngineConfig
     from .engine.factory import make_engine
     from .engine.requests import Request
     from .validate import check_tokens

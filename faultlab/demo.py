@@ -11,8 +11,6 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvguard import NoopTracker
-
 from .chaos import CaseResult, SGLangStyleChecks, drive, judge, checking_tracker
 from .engine.engine import EngineConfig
 from .engine.factory import make_engine
@@ -58,8 +56,8 @@ def _requests(tokenizer, max_tokens: int) -> list[tuple[int, Request]]:
 def _run(fault: str | None, tracker_on: bool, max_tokens: int, seed: int, baseline=None):
     oracle, checks = Oracle(), SGLangStyleChecks()
     injector = Injector(fault, Trigger(mode="step", step=4), count=1, seed=seed) if fault else None
-    tracker = checking_tracker(log=True) if tracker_on else NoopTracker()
-    engine = make_engine(ENGINE, tracker=tracker, observers=[o for o in (injector, oracle, checks) if o])
+    observers = [o for o in (injector, oracle, checks) if o]
+    engine = make_engine(ENGINE, tracker=checking_tracker(log=True, on=tracker_on), observers=observers)
     arrivals = _requests(engine.tokenizer, max_tokens)
     drive(engine, arrivals)
     requests = [r for _, r in arrivals]

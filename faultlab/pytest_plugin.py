@@ -12,7 +12,8 @@ What it adds to the runs of a project that turns it on:
 - the marker ``@pytest.mark.kvfault(name, seed=None, trigger="step", step=3, count=1, require_strike=True)``:
   engines built by ``kv_engine`` and runs of ``chaos_runner`` in that test run with the fault injected,
   with the marker's seed (default: the session's). A test whose fault never struck fails (unless
-  ``require_strike=False``); bad arguments fail the test before it runs.
+  ``require_strike=False``); bad arguments fail the test before it runs (read and checked in
+  faultlab/plugin_marker.py).
 - a failed test that used faultlab gets a ``faultlab`` report section: fault, seed, strikes, victims and
   the command that reproduces it.
 
@@ -22,12 +23,13 @@ need them, so a pytest run that never touches faultlab pays nothing for the plug
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from faultlab.limits import COUNT_MAX, SEED_MAX
+from faultlab.limits import SEED_MAX, check_number
+from faultlab.plugin_marker import (MARKER_DOC, KVFault, check_count, check_seed, make_trigger, marker_fault,
+                                    require_hostable)
 
 SEED_OPTION = "--faultlab-seed"
 SEED_CACHE_KEY = "faultlab/seed"
@@ -38,12 +40,6 @@ _STORED_KEY = pytest.StashKey[bool]()
 _FAULT_KEY = pytest.StashKey["KVFault"]()
 _RUNS_KEY = pytest.StashKey[list]()
 _FIXTURES = {"faultlab_seed", "kv_engine", "kv_injector", "kvfault", "chaos_runner", "kv_tracker"}
-MARKER_KWARGS = ("name", "seed", "trigger", "step", "count", "event", "p", "require_strike")
-
-MARKER_DOC = ("kvfault(name, seed=None, trigger='step', step=3, count=1, event='alloc', p=0.1, "
-              "require_strike=True): engines built by kv_engine and runs of chaos_runner in this test run "
-              "with this faultlab fault injected (seed defaults to the session's --faultlab-seed); the test "
-              "fails if the fault never strikes")
 
 
 # -- options and the session seed ------------------------------------------------------------------
@@ -64,9 +60,7 @@ def _parse_seed(value: str) -> int | str:
         seed = int(value)
     except ValueError:
         raise pytest.UsageError(f"{SEED_OPTION}={value!r} is not valid; use an integer, 'last' or 'random'")
-    if not 0 <= seed <= SEED_MAX:
-        raise pytest.UsageError(f"{SEED_OPTION}={seed} is out of range; use 0..{SEED_MAX}")
-    return seed
+    return check_number(SEED_OPTION, seed, 0, SEED_MAX, pytest.UsageError)
 
 
 def _seed_file(config: pytest.Config) -> Path:
@@ -173,92 +167,11 @@ def failure_note(item: pytest.Item) -> str:
     return "\n".join(lines)
 
 
-# -- the kvfault marker ----------------------------------------------------------------------------
-@dataclass
-class KVFault:
-    """The fault a ``@pytest.mark.kvfault`` test runs under, and every injector built for it."""
-
-    name: str
-    seed: int
-    trigger: object  # faultlab.faults.injector.Trigger
-    count: int = 1
-    require_strike: bool = True
-    injectors: list = field(default_factory=list)
-
-    def injector(self):
-        """A fresh Injector for this fault (one per engine: injectors keep per-engine state)."""
-        from faultlab.faults.injector import Injector
-
-        injector = Injector(self.name, self.trigger, self.count, self.seed)
-        self.injectors.append(injector)
-        return injector
-
-    @property
-    def injected(self) -> list[dict]:
-        """Every strike so far, over all engines of the test."""
-        return [strike for inj in self.injectors for strike in inj.injected]
-
-
-def make_trigger(trigger="step", *, step: int = 3, event: str = "alloc", p: float = 0.1):
-    """A ``Trigger`` from a mode name (``step`` / ``event`` / ``prob``) or a ready Trigger."""
-    from faultlab.faults.injector import Trigger
-
-    if isinstance(trigger, Trigger):
-        return trigger
-    return Trigger(mode=trigger, step=step, event=event, p=p)
-
-
-def _int_arg(name: str, value, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is not valid; it must be an integer in {low}..{high}")
-    return value
-
-
-def _marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
-    """The item's kvfault marker as a KVFault; fails the test (no traceback) for any bad argument."""
-    marker = item.get_closest_marker("kvfault")
-    if marker is None:
-        return None
-    from faultlab.faults.catalog import get_fault
-
-    kwargs = dict(marker.kwargs)
-    name = marker.args[0] if marker.args else kwargs.pop("name", None)
-    if not isinstance(name, str) or len(marker.args) > 1:
-        pytest.fail("@pytest.mark.kvfault needs one fault name, then keyword arguments, e.g. "
-                    "@pytest.mark.kvfault('double_free', step=2)", pytrace=False)
-    try:
-        unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
-        if unknown:
-            raise ValueError(f"unknown argument(s) {unknown}; valid: {list(MARKER_KWARGS[1:])}")
-        get_fault(name)
-        seed = kwargs.pop("seed", None)
-        seed = default_seed if seed is None else _int_arg("seed", seed, 0, SEED_MAX)
-        count = _int_arg("count", kwargs.pop("count", 1), 1, COUNT_MAX)
-        require = kwargs.pop("require_strike", True)
-        if not isinstance(require, bool):
-            raise ValueError(f"require_strike={require!r} is not valid; it must be True or False")
-        trigger = make_trigger(kwargs.pop("trigger", "step"), **kwargs)
-    except (ValueError, TypeError) as err:  # UnknownFault is a ValueError
-        problem = str(err)
-    else:
-        return KVFault(name, seed, trigger, count, require)
-    pytest.fail(f"@pytest.mark.kvfault({name!r}): {problem}", pytrace=False)  # outside `except`: no chain
-
-
+# -- the kvfault marker (faultlab/plugin_marker.py) ----------------------------------------------
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Validate a kvfault marker before the test runs, whether or not it uses the fixtures."""
     if item.get_closest_marker("kvfault") is not None:
-        _marker_fault(item, _used_seed(item.config))
-
-
-def _require_hostable(fault: str, engine_config) -> None:
-    """Fail the test when ``engine_config`` cannot host ``fault`` (it would never strike)."""
-    from faultlab.faults.catalog import FAULTS
-    from faultlab.scenario import fault_available
-
-    if not fault_available(FAULTS[fault], engine_config):
-        pytest.fail(f"kvfault {fault!r} cannot strike in this engine: it needs {FAULTS[fault].requires!r} "
-                    f"(see `faultlab faults`)", pytrace=False)
+        marker_fault(item, _used_seed(item.config))
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -268,17 +181,12 @@ def faultlab_seed(request: pytest.FixtureRequest) -> int:
     return _used_seed(request.config)
 
 
-def new_tag_tracker():
-    """A checking TagTracker with its own Prometheus registry (no cross-test counter bleed)."""
-    from .chaos import checking_tracker
-
-    return checking_tracker()
-
-
 @pytest.fixture
 def kv_tracker():
-    """A fresh TagTracker (mode=check) with its own CollectorRegistry."""
-    return new_tag_tracker()
+    """A fresh TagTracker (mode=check) with its own CollectorRegistry (no cross-test counter bleed)."""
+    from faultlab.chaos import checking_tracker
+
+    return checking_tracker()
 
 
 @pytest.fixture
@@ -288,7 +196,7 @@ def kvfault(request: pytest.FixtureRequest, faultlab_seed: int):
     At teardown, a marked test whose engines got injectors but saw no strike fails
     (``require_strike=False`` allows it).
     """
-    fault = _marker_fault(request.node, faultlab_seed)
+    fault = marker_fault(request.node, faultlab_seed)
     if fault is not None:
         request.node.stash[_FAULT_KEY] = fault
     yield fault
@@ -299,19 +207,18 @@ def kvfault(request: pytest.FixtureRequest, faultlab_seed: int):
 
 
 def _tracker_for(tracker):
-    from kvguard import NoopTracker
+    """``True``: a checking tracker; ``False``/``None``: the no-op one; else the tracker instance given."""
+    from faultlab.chaos import checking_tracker
 
-    if tracker is True:
-        return new_tag_tracker()
-    if tracker is False or tracker is None:
-        return NoopTracker()
-    return tracker  # a tracker instance
+    if tracker is True or tracker is False or tracker is None:
+        return checking_tracker(on=bool(tracker))
+    return tracker
 
 
 def build_engine(model: str = "tiny", tracker=True, observers=(), **overrides):
     """An Engine for ``model`` with a TagTracker (``tracker=True``), a NoopTracker (False) or the
     given tracker; ``overrides`` are EngineConfig fields."""
-    from faultlab.engine.engine import EngineConfig
+    from faultlab.engine.options import EngineConfig
     from faultlab.engine.factory import make_engine
 
     return make_engine(EngineConfig(model=model, **overrides), tracker=_tracker_for(tracker),
@@ -328,11 +235,11 @@ def kv_engine(kvfault: KVFault | None):
     the real model engine (skipped when its GGUF package is not installed).
     """
     def make(model: str = "tiny", tracker=True, inject: bool = True, observers=(), **overrides):
-        from faultlab.engine.engine import EngineConfig
+        from faultlab.engine.options import EngineConfig
 
         observers = list(observers)
         if inject and kvfault is not None:
-            _require_hostable(kvfault.name, EngineConfig(model=model, **overrides))
+            require_hostable(kvfault.name, EngineConfig(model=model, **overrides))
             observers.insert(0, kvfault.injector())
         if model == "smollm2":
             _require_smollm2()
@@ -361,8 +268,8 @@ def kv_injector(faultlab_seed: int):
     def make(fault: str, trigger="step", seed: int | None = None, count: int = 1, **trigger_kwargs):
         from faultlab.faults.injector import Injector
 
-        seed = faultlab_seed if seed is None else _int_arg("seed", seed, 0, SEED_MAX)
-        return Injector(fault, make_trigger(trigger, **trigger_kwargs), _int_arg("count", count, 1, COUNT_MAX), seed)
+        seed = faultlab_seed if seed is None else check_seed(seed)
+        return Injector(fault, make_trigger(trigger, **trigger_kwargs), check_count(count), seed)
 
     return make
 

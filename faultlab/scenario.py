@@ -2,23 +2,26 @@
 
 A malformed file or an unknown name raises ``ScenarioError`` naming the field, the value and what is
 allowed; the CLI turns it into exit code 2 before anything is written. Defaults live in the dataclasses
-below (and in ``EngineConfig``), written once; so do the bounds of every number (``LIMITS``).
+below (and in ``EngineConfig``), written once; so do the bounds of every number (``limits.LIMITS``), checked
+by the one ``check_number`` / ``check_choice`` the CLI and the pytest plugin use too.
 ``parse``/``load`` check the file itself; ``check_runnable`` (faultlab/validate.py) checks what depends
 on this machine (the device, the model package, memory) and runs before a case does.
 """
-import math
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from .engine.engine import ConfigError, EngineConfig
+from .engine.options import ConfigError, EngineConfig
 from .faults.catalog import FAULTS, SUITES
 from .faults.injector import EVENTS, TRIGGERS, Trigger
-from .limits import COUNT_MAX, MAX_TOKENS, SEED_MAX
+from .limits import LIMITS, SEED_MAX, check_choice, check_number
 
 
 class ScenarioError(ValueError):
     """The scenario file is malformed; the message names the field at fault and how to mend it."""
+
+
+ARRIVALS = ("burst", "staggered")  # all requests at step 0 | arrivals_per_step per step
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class WorkloadSpec:
     concurrency: int = 6
     shared_prefix_fraction: float = 0.5
     shared_prefix_len: int = 32
-    arrival: str = "burst"  # burst | staggered
+    arrival: str = "burst"  # ARRIVALS
     arrivals_per_step: int = 2
     temperature: float = 0.0
 
@@ -69,33 +72,8 @@ class Scenario:
 
 
 SECTIONS = {"workload": WorkloadSpec, "engine": EngineConfig, "faults": FaultSpec, "expect": Expectations}
-_CHOICES = {("workload", "arrival"): ("burst", "staggered"), ("faults", "trigger"): TRIGGERS,
+_CHOICES = {("workload", "arrival"): ARRIVALS, ("faults", "trigger"): TRIGGERS,
             ("faults", "event"): EVENTS, ("faults", "suite"): SUITES}
-# (section, field) -> (low, high), inclusive, for every number of a scenario (a range's two ends alike).
-# NOTE: sizes that depend on the machine (pages, KV budget) are bounded again by check_runnable.
-LIMITS = {
-    ("workload", "requests"): (1, 10_000), ("workload", "prompt_len"): (1, MAX_TOKENS),
-    ("workload", "output_len"): (1, MAX_TOKENS), ("workload", "concurrency"): (1, 1024),
-    ("workload", "shared_prefix_fraction"): (0.0, 1.0), ("workload", "shared_prefix_len"): (0, MAX_TOKENS),
-    ("workload", "arrivals_per_step"): (1, 10_000), ("workload", "temperature"): (0.0, 100.0),
-    ("faults", "seeds"): (1, 1_000_000), ("faults", "first_seed"): (0, SEED_MAX), ("faults", "count"): (1, COUNT_MAX),
-    ("faults", "step"): (0, 1_000_000), ("faults", "p"): (0.0, 1.0),
-    ("expect", "max_false_positives"): (0, 10**9), ("expect", "max_corrupted_tokens_with_tracker"): (0, 10**9),
-    ("engine", "kv_residual_sink"): (0, MAX_TOKENS), ("engine", "kv_residual_window"): (1, MAX_TOKENS),
-    ("engine", "kv_budget_mb"): (2**-10, 2**30), ("engine", "num_pages"): (0, 2**31 - 1),
-    ("engine", "max_running"): (1, 1024), ("engine", "max_context"): (2, MAX_TOKENS),
-    ("engine", "seed"): (0, SEED_MAX), ("engine", "transfer_lag"): (1, 1000),
-}
-
-
-def check_number(where: str, value, low, high):
-    """``value`` if it is a number (an int where ``low`` is an int) in [low, high]; else ScenarioError."""
-    kind = "an integer" if isinstance(low, int) else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if isinstance(low, int) else (int, float)):
-        raise ScenarioError(f"{where} = {value!r} is not valid; it must be {kind} in {low}..{high}")
-    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
-        raise ScenarioError(f"{where} = {value!r} is out of range; it must be {kind} in {low}..{high}")
-    return value
 
 
 def _coerce(section: str, f, value):
@@ -114,20 +92,19 @@ def _coerce(section: str, f, value):
         if not isinstance(value, list) or len(value) != 2:
             raise ScenarioError(f"{where} = {value!r} is not valid; it must be a [low, high] range of "
                                 f"integers in {limits[0]}..{limits[1]}")
-        low, high = (check_number(f"{where}[{i}]", v, *limits) for i, v in enumerate(value))
+        low, high = (check_number(f"{where}[{i}]", v, *limits, ScenarioError) for i, v in enumerate(value))
         if low > high:
             raise ScenarioError(f"{where} = {value!r} is not valid; it must be a [low, high] range with low <= high")
         return (low, high)
     if isinstance(default, (int, float)):
         if limits is None:  # a number from a fixed set (engine.page_size): its dataclass checks the set
-            return check_number(where, value, -2**63, 2**63 - 1)
-        return check_number(where, value, *(limits if isinstance(default, int) else map(float, limits)))
+            return check_number(where, value, -2**63, 2**63 - 1, ScenarioError)
+        low, high = limits if isinstance(default, int) else map(float, limits)
+        return check_number(where, value, low, high, ScenarioError)
     if not isinstance(value, str):
         raise ScenarioError(f"{where} = {value!r} is not valid; it must be a string")
     valid = _CHOICES.get((section, f.name))
-    if valid and value not in valid:
-        raise ScenarioError(f"{where} = {value!r} is not valid; choose one of {list(valid)}")
-    return value
+    return check_choice(where, value, valid, ScenarioError) if valid else value
 
 
 def _section(name: str, cls, table) -> object:

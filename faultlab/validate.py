@@ -6,8 +6,8 @@ flag, the value and what is allowed. Nothing here writes a file.
 import os
 from pathlib import Path
 
-from .limits import MAX_TOKENS, SEED_MAX
-from .scenario import LIMITS, Scenario, ScenarioError, check_number
+from .limits import LIMITS, MAX_TOKENS, check_choice, check_number
+from .scenario import Scenario
 
 DEVICES = ("cpu", "cuda", "cuda:N")
 MEMORY_SHARE = 2  # KV pages may take at most 1/MEMORY_SHARE of the device's memory
@@ -23,10 +23,7 @@ def check_flag(flag: str, value, low, high):
     """A CLI number in [low, high] (None passes: the flag was not given)."""
     if value is None:
         return None
-    try:
-        return check_number(flag, value, low, high)
-    except ScenarioError as err:
-        raise UsageError(str(err)) from None
+    return check_number(flag, value, low, high, UsageError)
 
 
 def check_seeds(seeds, first_seed) -> None:
@@ -117,8 +114,7 @@ def check_model(where: str, name: str):
     """The ModelConfig of preset ``name`` (its package installed, for smollm2)."""
     from .engine.config import PRESETS, get_preset
 
-    if name not in PRESETS:
-        raise UsageError(f"{where} = {name!r} is not valid; choose one of {sorted(PRESETS)}")
+    check_choice(where, name, sorted(PRESETS), UsageError)
     try:
         return get_preset(name)
     except ValueError as err:  # smollm2 without its GGUF package
@@ -174,7 +170,3 @@ def check_runnable(scenario: Scenario) -> None:
         raise UsageError(f"[workload] requests of up to {longest} tokens (shared_prefix_len + prompt_len[1] + "
                          f"output_len[1]) do not fit: at most {fit} tokens (context {context} tokens of model "
                          f"{e.model!r} and [engine].max_context, pool {pages} pages of {e.page_size})")
-
-
-def check_seed(flag: str, seed) -> int:
-    return check_flag(flag, seed, 0, SEED_MAX)

@@ -12,6 +12,7 @@ the engine released the request, before anything else is allocated), for bugs in
 import random
 from dataclasses import dataclass
 
+from ..limits import LIMITS, check_choice, check_number
 from .catalog import Context, get_fault
 
 TRIGGERS = ("step", "event", "prob")
@@ -29,12 +30,12 @@ class Trigger:
     p: float = 0.1
 
     def __post_init__(self):
-        if self.mode not in TRIGGERS:
-            raise ValueError(f"trigger mode {self.mode!r} is not valid; choose one of {list(TRIGGERS)}")
-        if self.mode == "event" and self.event not in EVENTS:
-            raise ValueError(f"trigger event {self.event!r} is not valid; choose one of {list(EVENTS)}")
-        if not 0.0 <= self.p <= 1.0 or self.step < 0:
-            raise ValueError(f"trigger needs 0 <= p <= 1 and step >= 0, got p={self.p}, step={self.step}")
+        """The rules a scenario's [faults] trigger, step, event and p follow (faultlab.limits); ValueError."""
+        check_choice("trigger mode", self.mode, TRIGGERS)
+        if self.mode == "event":
+            check_choice("trigger event", self.event, EVENTS)
+        check_number("trigger step", self.step, *LIMITS[("faults", "step")])
+        check_number("trigger p", self.p, *LIMITS[("faults", "p")])
 
 
 class Injector:

@@ -146,8 +146,8 @@ def test_tracker_and_injector_fixtures(pytester):
             assert isinstance(kv_tracker, TagTracker) and kv_tracker.config.mode == "check"
 
         def test_trackers_do_not_share_counters(kv_tracker):
-            from faultlab.pytest_plugin import new_tag_tracker
-            assert new_tag_tracker().metrics is not kv_tracker.metrics
+            from faultlab.chaos import checking_tracker
+            assert checking_tracker().metrics is not kv_tracker.metrics
 
         def test_injector(kv_injector, faultlab_seed):
             inj = kv_injector("double_free", trigger="event", event="free", count=2)
@@ -158,9 +158,9 @@ def test_tracker_and_injector_fixtures(pytester):
         def test_injector_unknown(kv_injector):
             with pytest.raises(UnknownFault, match="valid faults: .*double_free"):
                 kv_injector("no_such_fault")
-            with pytest.raises(ValueError, match="seed='abc' is not valid"):
+            with pytest.raises(ValueError, match="seed = 'abc' is not valid"):
                 kv_injector("leak", seed="abc")
-            with pytest.raises(ValueError, match="count=0 is not valid"):
+            with pytest.raises(ValueError, match="count = 0 is out of range"):
                 kv_injector("leak", count=0)
 
         def test_no_marker_no_fault(kvfault):
@@ -229,7 +229,7 @@ def test_unknown_fault_fails_with_valid_names(pytester):
     result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines([
         "*@pytest.mark.kvfault('no_such_fault'): unknown fault 'no_such_fault'; valid faults: *double_free*",
-        "*@pytest.mark.kvfault('double_free'): trigger mode 'sometimes' is not valid*",
+        "*@pytest.mark.kvfault('double_free'): trigger mode = 'sometimes' is not valid; choose one of *",
         "*@pytest.mark.kvfault needs one fault name*",
     ])
 
@@ -296,12 +296,12 @@ def test_bad_marker_arguments_fail_cleanly(pytester):
     result = pytester.runpytest()
     result.assert_outcomes(errors=6)
     result.stdout.fnmatch_lines([
-        "*@pytest.mark.kvfault('double_free'): seed='abc' is not valid; it must be an integer in 0..4294967295",
-        "*@pytest.mark.kvfault('double_free'): seed=1099511627776 is not valid*",
-        "*@pytest.mark.kvfault('double_free'): count=0 is not valid; it must be an integer in 1..1000",
+        "*@pytest.mark.kvfault('double_free'): seed = 'abc' is not valid; it must be an integer in 0..4294967295",
+        "*@pytest.mark.kvfault('double_free'): seed = 1099511627776 is out of range*",
+        "*@pytest.mark.kvfault('double_free'): count = 0 is out of range; it must be an integer in 1..1000",
         "*@pytest.mark.kvfault('double_free'): unknown argument(s) *cuont*; valid: *seed*require_strike*",
-        "*@pytest.mark.kvfault('double_free'): trigger needs 0 <= p <= 1*",
-        "*@pytest.mark.kvfault('double_free'): require_strike='yes' is not valid*",
+        "*@pytest.mark.kvfault('double_free'): trigger p = nan is out of range; it must be a number in 0.0..1.0",
+        "*@pytest.mark.kvfault('double_free'): require_strike = 'yes' is not valid*",
     ])
     assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
 
