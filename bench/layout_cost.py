@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from faultlab.chaos import checking_tracker
 from faultlab.engine.config import get_preset
 from faultlab.engine.model import LlamaModel
 from faultlab.engine.weights import random_weights
-from faultlab.gpubench import DecodeState, capture, interleaved, pct
-from kvguard import NoopTracker
+from faultlab.gpubench_step import DecodeState
+from faultlab.gpubench_timing import capture, interleaved, pct
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
         options = {"plain": {}, "plain2": {}, "rotated": {"rotate_k": True}, "residual": {"residual": True}}
         states = {name: DecodeState(model, batch, args.ctx, 16, "fp8", dev, "triton", **options[name])
                   for name in ("plain", "plain2", *args.variants)}
-        graphs = {n: capture(lambda s=s: s.step(model, NoopTracker())) for n, s in states.items()}
+        graphs = {n: capture(lambda s=s: s.step(model, checking_tracker(on=False))) for n, s in states.items()}
         t = interleaved({n: g for n, (g, _) in graphs.items()}, args.pairs)
         med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
         p99 = {n: pct(v, 99) * 1e3 for n, v in t.items()}

@@ -37,11 +37,13 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 import torch.distributed as dist
 
+from faultlab.chaos import checking_tracker
 from faultlab.engine.config import get_preset
 from faultlab.engine.tp import TPLlamaModel
 from faultlab.engine.weights import random_weights
-from faultlab.gpubench import DecodeState, capture, interleaved, pct
-from kvguard import NoopTracker, TrackerConfig
+from faultlab.gpubench_step import DecodeState
+from faultlab.gpubench_timing import capture, interleaved, pct
+from kvguard import TrackerConfig
 from kvguard.distributed import RankTracker, combine_verdict
 
 
@@ -94,9 +96,11 @@ def rank_tracker(state: DecodeState, dev, combine: bool, piggyback: bool = False
     return t
 
 
-def make_tracker(name: str, state: DecodeState, dev):
+def variant_tracker(name: str, state: DecodeState, dev):
+    """The tracker of variant ``name``: the no-op one, or a RankTracker (kvguard.make_tracker builds no
+    rank tracker)."""
     if name.startswith("noop"):
-        return NoopTracker()
+        return checking_tracker(on=False)
     return rank_tracker(state, dev, combine=name != "check_local", piggyback=name == "check_piggyback")
 
 
@@ -130,7 +134,7 @@ def verdict_agreement(state: DecodeState, run: dict, dev) -> dict:
 def bench_overhead(model, batch, args, dev, backend) -> dict:
     """One concurrency: the variants' decode steps, interleaved (graphs on NCCL, eager otherwise)."""
     state = DecodeState(model, batch, args.ctx, args.page_size, args.kv_dtype, dev, backend)
-    trackers = {n: make_tracker(n, state, dev) for n in args.variants}
+    trackers = {n: variant_tracker(n, state, dev) for n in args.variants}
     steps = {n: (lambda t=t: decode_step(state, model, t)) for n, t in trackers.items()}
     dist.barrier()
     first = {}
