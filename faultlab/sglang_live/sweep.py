@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from .inject import FAULTS
+from .plan import FAULTS
 
 CONFIGS = [  # (name, page size, overlap, radix)
     ("ps16-overlap", 16, True, True), ("ps16-normal", 16, False, True),

@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from faultlab.sglang_live.inject import FAULTS
+from faultlab.sglang_live.plan import FAULTS
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 

@@ -4,20 +4,21 @@ import math
 import pytest
 import torch
 
-from faultlab.sglang_live import cpu_rotary, inject
+from faultlab.sglang_live import cpu_rotary, inject, plan
+from faultlab.sglang_live.runtime import State
 
 
 def test_plan_parses_both_forms():
-    assert [(e.fault, e.seed) for e in inject.parse_plan("swapped_entries, stale_row", seed=5)] == [
+    assert [(e.fault, e.seed) for e in plan.parse_plan("swapped_entries, stale_row", seed=5)] == [
         ("swapped_entries", 5), ("stale_row", 5)]
-    [entry] = inject.parse_plan('[{"fault": "in_page_entry", "seed": 3, "rid_prefix": "x-", "label": "l"}]')
+    [entry] = plan.parse_plan('[{"fault": "in_page_entry", "seed": 3, "rid_prefix": "x-", "label": "l"}]')
     assert (entry.fault, entry.seed, entry.rid_prefix, entry.label) == ("in_page_entry", 3, "x-", "l")
     assert 2 <= entry.step <= 6
-    assert inject.parse_plan("") == []
+    assert plan.parse_plan("") == []
 
 
 def test_plan_is_a_pure_function_of_the_seed():
-    a, b, c = (inject.parse_plan('[{"fault": "index_shift", "seed": %d}]' % s)[0] for s in (7, 7, 8))
+    a, b, c = (plan.parse_plan('[{"fault": "index_shift", "seed": %d}]' % s)[0] for s in (7, 7, 8))
     draws = [(e.step, e.rng.random()) for e in (a, b, c)]
     assert draws[0] == draws[1] and draws[0] != draws[2]
 
@@ -32,18 +33,18 @@ def test_plan_is_a_pure_function_of_the_seed():
 ])
 def test_bad_plan_stops_the_process_with_the_field_named(text, named):
     with pytest.raises(SystemExit) as info:
-        inject.register({inject.ENV_FAULTS: text})
-    assert inject.ENV_FAULTS in str(info.value) and named in str(info.value)
+        inject.register({plan.ENV_FAULTS: text})
+    assert plan.ENV_FAULTS in str(info.value) and named in str(info.value)
 
 
 def test_bad_seed_is_named():
-    with pytest.raises(SystemExit, match=inject.ENV_SEED):
-        inject.register({inject.ENV_FAULTS: "stale_row", inject.ENV_SEED: "x"})
+    with pytest.raises(SystemExit, match=plan.ENV_SEED):
+        inject.register({plan.ENV_FAULTS: "stale_row", plan.ENV_SEED: "x"})
 
 
 def test_registers_nothing_without_its_variables():
     assert inject.register({}) is False
-    assert inject._State.registered is False and inject._State.plan == []
+    assert State.registered is False and State.plan == []
 
 
 def _reference(positions, x, head_size, cache, neox):

@@ -1,0 +1,88 @@
+"""The fault plan of faultlab's SGLang plugin (faultlab/sglang_live/inject.py, whose docstring says what each
+variable, entry key and fault class means): the environment variables, the fault classes, and the entries
+parsed from ``FAULTLAB_SGLANG_FAULTS``. Stdlib only.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+ENV_FAULTS = "FAULTLAB_SGLANG_FAULTS"
+ENV_SEED = "FAULTLAB_SGLANG_SEED"
+ENV_LOG = "FAULTLAB_SGLANG_LOG"
+ENV_ROTARY = "FAULTLAB_SGLANG_CPU_ROTARY"
+ENV_DUMMY = "FAULTLAB_SGLANG_DUMMY_INIT"
+ENV_ACCOUNTING = "FAULTLAB_SGLANG_ACCOUNTING"
+
+DECODE_FAULTS = ("swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry")
+CONTROL = "none"  # arms and logs like a fault, corrupts nothing (the fault-free episode of a driver)
+REUSER_FAULTS = ("premature_free", "double_free", "stale_row")
+FAULTS = DECODE_FAULTS + REUSER_FAULTS + (CONTROL,)
+
+
+class PlanError(ValueError):
+    """A malformed fault plan (raised at registration: the scheduler does not start)."""
+
+
+@dataclass
+class Entry:
+    fault: str
+    seed: int
+    rid_prefix: str = ""
+    reuser_prefix: str | None = None
+    step: int | None = None
+    min_candidates: int = 2
+    label: str = ""
+    # runtime state
+    decoding: bool = False  # a candidate reached a decode batch (logged once: a driver's cue)
+    armed: bool = False
+    done: bool = False
+    candidates: list = field(default_factory=list)
+    rng: random.Random | None = None
+    watch: dict | None = None  # double_free: page -> copies left to hand out, receivers
+
+    def __post_init__(self):
+        if self.fault not in FAULTS:
+            raise PlanError(f"{ENV_FAULTS}: fault {self.fault!r} is not one of {', '.join(FAULTS)}")
+        self.rng = random.Random(f"{self.fault}:{self.seed}")
+        if self.step is None:
+            self.step = self.rng.randint(2, 6)
+
+    def is_candidate(self, req) -> bool:
+        return str(req.rid).startswith(self.rid_prefix)
+
+    def is_reuser(self, req) -> bool:
+        if self.reuser_prefix is not None:
+            return str(req.rid).startswith(self.reuser_prefix)
+        return not any(req is c for c in self.candidates)
+
+
+def parse_plan(text: str, seed: int | str = 0) -> list[Entry]:
+    """The entries of a plan (see the module docstring); PlanError names what is wrong."""
+    try:
+        seed = int(seed)
+    except ValueError:
+        raise PlanError(f"{ENV_SEED}: {seed!r} is not an integer") from None
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{ENV_FAULTS}: not valid JSON ({exc})") from None
+        keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "label"}
+        if not isinstance(raw, list):
+            raise PlanError(f"{ENV_FAULTS}: a JSON list of entries is expected, got {type(raw).__name__}")
+        entries = []
+        for item in raw:
+            if not isinstance(item, dict) or set(item) - keys or "fault" not in item:
+                raise PlanError(f"{ENV_FAULTS}: entry {item!r}: needs 'fault'; allowed keys are {sorted(keys)}")
+            for key in ("seed", "step", "min_candidates"):
+                if item.get(key) is not None and (not isinstance(item[key], int) or isinstance(item[key], bool)
+                                                  or item[key] < 0):
+                    raise PlanError(f"{ENV_FAULTS}: entry {item!r}: {key} must be an integer >= 0")
+            entries.append(Entry(**{"seed": seed, **item}))
+        return entries
+    return [Entry(fault=name.strip(), seed=seed) for name in text.split(",") if name.strip()]

@@ -1,0 +1,33 @@
+"""The per-process state of faultlab's SGLang plugin (its plan, its log path, what the idle check saw last)
+and its JSON-lines log (faultlab/sglang_live/inject.py lists the events). Stdlib only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+class State:
+    """What the plugin keeps per process (class attributes: one plugin per process)."""
+
+    plan: list = []  # the plan's Entry objects (faultlab/sglang_live/plan.py)
+    log_path: str = "faultlab_sglang.jsonl"
+    lock = threading.Lock()
+    last_idle: Any = None
+    last_idle_time: float = 0.0
+    registered = False
+    decode_steps = 0  # decode batches prepared in this process (reported on idle_check lines)
+
+
+def log(event: str, **fields) -> None:
+    """One JSON line ``{"event", "time", "pid", **fields}`` appended to the plugin's log."""
+    line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n"
+    with State.lock:  # one O_APPEND write per line: readers never see half of it
+        fd = os.open(State.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)

@@ -1,0 +1,226 @@
+"""The strikes of faultlab's SGLang plugin: the hook bodies that arm a plan's entries and corrupt SGLang's
+request rows, page tables and free lists (what each class does and who is a victim:
+faultlab/sglang_live/inject.py). torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .plan import CONTROL, DECODE_FAULTS, REUSER_FAULTS, Entry
+from .runtime import State, log
+
+
+def _page_size(batch) -> int:
+    return int(batch.token_to_kv_pool_allocator.page_size)
+
+
+def _num_pages(allocator) -> int:
+    ps = int(allocator.page_size)
+    return int(getattr(allocator, "num_pages", allocator.size // ps))
+
+
+def _row(req) -> int:
+    return int(req.kv.req_pool_idx)
+
+
+def _seq_len(req) -> int:
+    """Entries of the request's row that are written (before this step's prepare_for_decode)."""
+    return int(req.kv.kv_committed_len)
+
+
+def before_prepare_for_decode(batch, *args, **kwargs):
+    if batch.is_empty():
+        return None
+    State.decode_steps += 1
+    for entry in State.plan:
+        if entry.armed or entry.done:
+            continue
+        if not entry.decoding and any(entry.is_candidate(r) for r in batch.reqs):
+            entry.decoding = True
+            log("decoding", fault=entry.fault, seed=entry.seed, label=entry.label)
+        cands = sorted((r for r in batch.reqs if entry.is_candidate(r) and not r.finished()
+                        and r.kv.req_pool_idx is not None), key=lambda r: str(r.rid))
+        if len(cands) < entry.min_candidates or min(len(r.output_ids) for r in cands) < entry.step:
+            continue
+        entry.armed, entry.candidates = True, cands
+        log("armed", fault=entry.fault, seed=entry.seed, label=entry.label, step=entry.step,
+            candidates=[str(r.rid) for r in cands])
+        if entry.fault == CONTROL:
+            entry.done = True
+        elif entry.fault in DECODE_FAULTS:
+            entry.done = True
+            _strike_decode(entry, batch)
+    return None
+
+
+def _written_pages(req, ps: int) -> int:
+    return -(-_seq_len(req) // ps)
+
+
+def _strike_decode(entry: Entry, batch) -> None:
+    rng, ps = entry.rng, _page_size(batch)
+    table = batch.req_to_token_pool.req_to_token
+    allocator = batch.token_to_kv_pool_allocator
+    cands = entry.candidates
+    info: dict[str, Any] = {"page_size": ps}
+    if entry.fault == "swapped_entries":
+        pairs = [(a, b) for i, a in enumerate(cands) for b in cands[i + 1:]]
+        rng.shuffle(pairs)
+        for a, b in pairs:
+            n = min(_written_pages(a, ps), _written_pages(b, ps))
+            ra, rb = table[_row(a), 0:n * ps:ps].tolist(), table[_row(b), 0:n * ps:ps].tolist()
+            ks = [k for k in range(n) if ra[k] // ps != rb[k] // ps]
+            if ks:
+                k = rng.choice(ks)
+                span = slice(k * ps, (k + 1) * ps)
+                tmp = table[_row(a), span].clone()
+                table[_row(a), span] = table[_row(b), span]
+                table[_row(b), span] = tmp
+                return _log_inject(entry, [a, b], rows=[_row(a), _row(b)], pages=[ra[k] // ps, rb[k] // ps],
+                                   entries=[[k * ps, (k + 1) * ps]], **info)
+        return log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
+                   reason="no two candidates map different pages")
+    victim = rng.choice(cands)
+    row, n = _row(victim), _seq_len(victim)
+    if entry.fault == "in_page_entry":
+        if ps == 1:
+            return log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
+                       reason="page size 1 has no entries inside a page")
+        positions = [p for p in range(n - 1) if p % ps]
+        p = rng.choice(positions)
+        old = int(table[row, p])
+        other = [c for c in cands if c is not victim]
+        target_page = None
+        for c in rng.sample(other, len(other)):
+            pages = {int(x) // ps for x in table[_row(c), 0:_written_pages(c, ps) * ps:ps].tolist()}
+            pages.discard(old // ps)
+            if pages:
+                target_page = rng.choice(sorted(pages))
+                break
+        if target_page is None:  # nobody else: the next page
+            target_page = old // ps + 1 if old // ps + 1 <= _num_pages(allocator) else old // ps - 1
+        new = target_page * ps + p % ps
+        table[row, p] = new
+        return _log_inject(entry, [victim], rows=[row], pages=[old // ps, target_page], entries=[[p, p + 1]],
+                           slots=[old, new], **info)
+    k = rng.randrange(_written_pages(victim, ps))
+    lo, hi = k * ps, min((k + 1) * ps, n)
+    old = table[row, lo:hi].clone()
+    page = int(old[0]) // ps
+    if entry.fault == "index_shift":
+        delta = ps if page + 1 <= _num_pages(allocator) else -ps
+        table[row, lo:hi] = old + delta
+        new_page = page + delta // ps
+    else:  # out_of_range_entry
+        if rng.random() < 0.5:
+            new_page = _num_pages(allocator) + 2 + rng.randrange(4)
+        else:
+            new_page = -1 - rng.randrange(4)
+        table[row, lo:hi] = (old % ps) + new_page * ps
+    _log_inject(entry, [victim], rows=[row], pages=[page, new_page], entries=[[lo, hi]], **info)
+
+
+def _log_inject(entry: Entry, victims: list, **fields) -> None:
+    log("inject", fault=entry.fault, seed=entry.seed, label=entry.label, step=entry.step,
+        victims=[str(r.rid) for r in victims], **fields)
+
+
+def around_alloc_for_extend(original, batch, *args, **kwargs):
+    for entry in State.plan:
+        if entry.armed and not entry.done and entry.fault in REUSER_FAULTS:
+            if any(entry.is_reuser(r) and not r.kv.holds_kv for r in batch.reqs):
+                entry.done = True
+                _strike_reuse(entry, batch)
+    result = original(batch, *args, **kwargs)
+    if any(e.watch for e in State.plan):
+        out_cache_loc = result[0]
+        owners, offset = [], 0
+        for req, ext in zip(batch.reqs, batch.extend_lens):
+            owners.append((req, offset, offset + int(ext)))
+            offset += int(ext)
+        _watch(batch, out_cache_loc, owners)
+    return result
+
+
+def after_alloc_for_decode(out_cache_loc, batch, token_per_req=1, *args, **kwargs):
+    if any(e.watch for e in State.plan):
+        n = int(token_per_req)
+        _watch(batch, out_cache_loc, [(r, i * n, (i + 1) * n) for i, r in enumerate(batch.reqs)])
+    return None
+
+
+def _watch(batch, out_cache_loc, owners) -> None:
+    """double_free: who receives the doubly freed page, in allocation order."""
+    ps = _page_size(batch)
+    allocator = batch.token_to_kv_pool_allocator
+    for entry in State.plan:
+        w = entry.watch
+        if not w:
+            continue
+        page = w["page"]
+        pages = (out_cache_loc.long() // ps).tolist()
+        got = []  # (req, slot index) in allocation order: new pages only (first slot of a page)
+        for req, lo, hi in owners:
+            for i in range(lo, hi):
+                slot = int(out_cache_loc[i])
+                if pages[i] == page and (ps == 1 or slot % ps == 0):
+                    got.append(req)
+        if not got:
+            continue
+        left = int((allocator.free_pages == page).sum())
+        for req in got:
+            w["receivers"].append(str(req.rid))
+            log("owner", fault=entry.fault, seed=entry.seed, label=entry.label, page=page, rid=str(req.rid))
+        if left == 0:
+            victims = w["receivers"][:-1]
+            for rid in dict.fromkeys(victims):
+                log("victim", fault=entry.fault, seed=entry.seed, label=entry.label, page=page, rid=rid)
+            entry.watch = None
+
+
+def _free_to_head(allocator, slots) -> None:
+    """Free slots through SGLang's allocator.free, leaving their page(s) at the head of the free list."""
+    import torch
+
+    ps = int(allocator.page_size)
+    allocator.free(slots)
+    if ps == 1:  # TokenToKVPoolAllocator appends; a paged allocator prepends already
+        free = allocator.free_pages
+        n = slots.numel()
+        allocator.free_pages = torch.cat((free[-n:], free[:-n]))
+
+
+def _strike_reuse(entry: Entry, batch) -> None:
+    import torch
+
+    rng, ps = entry.rng, _page_size(batch)
+    allocator = batch.token_to_kv_pool_allocator
+    rpool = batch.req_to_token_pool
+    table = rpool.req_to_token
+    live = [r for r in entry.candidates if not r.finished() and r.kv.req_pool_idx is not None]
+    info: dict[str, Any] = {"page_size": ps,
+                            "reusers": [str(r.rid) for r in batch.reqs if entry.is_reuser(r)]}
+    if not live:
+        return log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
+                   reason="every candidate finished before a reuser arrived")
+    if entry.fault == "double_free":
+        page = int(allocator.free_pages[0])  # free lists hold page ids (slot ids at page size 1)
+        _free_to_head(allocator, torch.arange(page * ps, page * ps + ps, device=allocator.free_pages.device))
+        entry.watch = {"page": page, "receivers": []}
+        return _log_inject(entry, [], pages=[page], note="victims follow as 'victim' lines", **info)
+    victim = rng.choice(live)
+    row = _row(victim)
+    if entry.fault == "stale_row":
+        rpool.free_rows([row])
+        return _log_inject(entry, [victim], rows=[row], **info)
+    # premature_free: a page the victim holds privately (past what the radix tree protects)
+    n = _seq_len(victim)
+    first = -(-int(victim.kv.cache_protected_len) // ps)
+    ks = list(range(first, -(-n // ps)))
+    if not ks:
+        return log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
+                   reason=f"request {victim.rid} holds no private page")
+    k = rng.choice(ks)
+    page = int(table[row, k * ps]) // ps
+    _free_to_head(allocator, torch.arange(page * ps, page * ps + ps, device=table.device))
+    _log_inject(entry, [victim], rows=[row], pages=[page], entries=[[k * ps, min((k + 1) * ps, n)]], **info)
