@@ -260,17 +260,16 @@ def cmd_demo(args) -> int:
 
 
 def _tokenizer_model(flag: str, name: str):
-    """Only smollm2 has a tokenizer (and a real text to read)."""
+    """The ModelConfig of a model with a tokenizer (and a real text to read: evalkv.TEXT_MODELS)."""
+    from .evalkv import check_text_model
     from .validate import check_model
 
-    if name != "smollm2":
-        raise UsageError(f"{flag} {name!r} is not valid; this command needs a model with a tokenizer: ['smollm2']")
-    return check_model(flag, name)
+    return check_model(flag, check_text_model(flag, name, UsageError))
 
 
 def cmd_generate(args) -> int:
-    from .engine.options import EngineConfig
     from .engine.factory import make_engine
+    from .engine.options import EngineConfig
     from .engine.requests import Request
     from .validate import check_tokens
 

@@ -31,9 +31,19 @@ def english_tokens(n_tokens: int, model_name: str = "smollm2") -> tuple[int, ...
     raise ValueError(f"n_tokens {n_tokens} is more than the {len(ids)} tokens of pydoc_data.topics")
 
 
+TEXT_MODELS = ("smollm2",)  # the presets with a tokenizer (real text to read): eval-kv and `faultlab generate`
+
+
+def check_text_model(where: str, name: str, error: type[Exception] = ValueError) -> str:
+    """``name`` if it is one of TEXT_MODELS; else ``error`` naming ``where``."""
+    if name not in TEXT_MODELS:
+        raise error(f"{where} {name!r} is not valid; this command needs a model with a tokenizer: "
+                    f"{list(TEXT_MODELS)}")
+    return name
+
+
 def _check_model(model_name: str) -> None:
-    if model_name != "smollm2":
-        raise ValueError(f"eval_kv needs a real model; unknown model_name {model_name!r}; valid: ['smollm2']")
+    check_text_model("model_name", model_name)
 
 
 def _tokenizer(model_name: str):

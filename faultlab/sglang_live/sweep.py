@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from kvguard.settings import MODES
+
 from .plan import FAULTS
 
 CONFIGS = [  # (name, page size, overlap, radix)
@@ -62,7 +64,7 @@ def _seeds(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="1-3", help="N or N-M (default 1-3)")
-    ap.add_argument("--mode", default="check", choices=["check", "off"], help="KVGUARD_MODE (default check)")
+    ap.add_argument("--mode", default="check", choices=MODES, help="KVGUARD_MODE (default check)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--config", action="append", choices=[c[0] for c in CONFIGS],
                     help="run only these configurations (repeatable; default all)")
