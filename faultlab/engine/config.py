@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from faultlab.engine.choices import check_choice
 from faultlab.engine.shapes import ModelConfig
 
 __all__ = ["ModelConfig", "PRESETS", "get_preset"]
@@ -37,6 +38,5 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
 
 def get_preset(name: str) -> ModelConfig:
     """The `ModelConfig` registered as `name` (one of `PRESETS`)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}")
+    check_choice("model preset", name, sorted(PRESETS))
     return PRESETS[name]()

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import StepContext
+
 
 def bucket(n: int, cap: int) -> int:
     """The smallest power of 2 >= n, capped at cap (n >= 1)."""
@@ -42,11 +44,16 @@ class _Bucket:
     out: torch.Tensor | None = None  # float32 [Bb, vocab], the graph's output
     graph: "torch.cuda.CUDAGraph | None" = None
 
+    @property
+    def ctx(self) -> StepContext:
+        """The bucket's decode context: its static buffers (fixed addresses), no verdict ride."""
+        return StepContext.for_decode(self.positions, self.slots, self.block, self.rows)
+
 
 class GraphedDecode:
-    """``model.decode(tokens, positions, kv, block, slots)`` through padded, graph-captured buckets.
+    """``model.forward(tokens, kv, ctx)`` of a decode context through padded, graph-captured buckets.
 
-    Call it like ``model.decode`` without ``kv``; it returns logits [B, vocab], a copy of the
+    Call it with ``(tokens, ctx)``; it returns logits [B, vocab], a copy of the
     bucket's static output (the next replay of the bucket overwrites that output: a batch-invariant
     engine decodes row by row through one bucket and keeps every row's logits).
     """
@@ -62,12 +69,13 @@ class GraphedDecode:
         self.replays = 0
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor,
-                 slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        b, w = block.shape
+    def __call__(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if ctx.is_prefill or ctx.ride is not None:
+            raise ValueError("GraphedDecode replays decode contexts without a verdict ride")
+        b, w = ctx.block.shape
         key = (bucket(b, self.max_batch), bucket(w, self.max_pages))
         buf = self.buckets.get(key) or self._build(key)
-        self._fill(buf, tokens, positions, block, slots, rows)
+        self._fill(buf, tokens, ctx)
         if buf.graph is None:  # eager (capture=False)
             buf.out = self._forward(buf)
         else:
@@ -76,20 +84,25 @@ class GraphedDecode:
         return buf.out[:b].clone()
 
     def _forward(self, buf: _Bucket) -> torch.Tensor:
-        return self.model.decode(buf.tokens, buf.positions, self.kv, buf.block, buf.slots, rows=buf.rows)
+        return self.model.forward(buf.tokens, self.kv, buf.ctx)
 
     def _pad_row(self) -> int:
         """The request row of padding rows: the KV residual's scratch row (no request owns it)."""
         return 0 if self.kv.residual is None else self.kv.residual.rows
 
-    def _fill(self, buf: _Bucket, tokens, positions, block, slots, rows) -> None:
-        b, w = block.shape
+    def _fill(self, buf: _Bucket, tokens, ctx: StepContext) -> None:
+        b, w = ctx.block.shape
         buf.tokens[:b].copy_(tokens)
-        buf.positions[:b].copy_(positions)
-        buf.slots[:b].copy_(slots)
-        buf.rows[:b].copy_(rows)
+        buf.positions[:b].copy_(ctx.positions)
+        buf.slots[:b].copy_(ctx.slots)
+        if ctx.rows is not None:
+            buf.rows[:b].copy_(ctx.rows)
+        elif self.kv.residual is not None:
+            raise ValueError("this cache keeps a KV residual: a graphed decode needs the context's request rows")
+        else:  # nothing reads them
+            buf.rows[:b].fill_(self._pad_row())
         buf.rows[b:].fill_(self._pad_row())
-        buf.block[:b, :w].copy_(block)
+        buf.block[:b, :w].copy_(ctx.block)
         # NOTE: rows and columns past this step's shape go back to padding: a previous, larger step
         # left its own rows there, and a padding row must not write into a page someone owns.
         buf.tokens[b:].zero_()

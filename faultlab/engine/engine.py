@@ -5,38 +5,24 @@ forward reads the KV cache the tracker validates the rows it will read (one laun
 verdict comes back to the host with the sampled token ids, and flagged requests are aborted before any
 of their tokens from that step is streamed.
 
-Observers (the oracle, the injector, a client) receive events by method name; see ``_emit`` call sites.
+Each forward gets one ``StepContext`` (context.py), built here once the step's check has run and its write
+slots are final; the ``ModelRunner`` (runner.py) executes it. Observers (the oracle, the injector, a client)
+receive events by method name; see ``emit`` call sites.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 
 from kvguard import KVGuardViolation, NoopTracker
 
+from .context import StepContext
 from .kvcache import PagedKVCache, ResidualLayout
 from .memory import PageAllocator, ReqToPagePool
+from .model import load_model
 from .options import MEMORY_BACKENDS, PAGE_SIZES, ConfigError, EngineConfig  # noqa: F401  (re-exported)
 from .radix import RadixCache
 from .requests import Event, Request
-
-@lru_cache(maxsize=8)
-def load_model(name: str, weight_dtype: str, backend: str, device: str, seed: int = 0):
-    """(LlamaModel, tokenizer or None), cached per process: weights never change during a run."""
-    from .config import get_preset
-    from .model import LlamaModel
-
-    if name == "smollm2":
-        from .gguf_loader import load_smollm2
-
-        config, weights, tokenizer = load_smollm2(weight_dtype=weight_dtype, device=device)
-    else:
-        from .weights import random_weights
-
-        config, tokenizer = get_preset(name), None
-        weights = random_weights(config, seed=seed, weight_dtype=weight_dtype, device=device)
-    return LlamaModel(config, weights, backend=backend), tokenizer
+from .runner import ModelRunner
 
 
 class Engine:
@@ -63,11 +49,12 @@ class Engine:
             int(config.kv_budget_mb * 2**20) - residual, mc.n_layers, config.page_size, mc.n_kv_heads,
             mc.head_dim, config.kv_dtype)
         self.kv = self._build_kv(num_pages)
-        self.graphs = None
+        graphs = None
         if config.cuda_graphs:
             from .cuda_graphs import GraphedDecode
 
-            self.graphs = GraphedDecode(self.model, self.kv, config.max_running, self.max_pages)
+            graphs = GraphedDecode(self.model, self.kv, config.max_running, self.max_pages)
+        self.runner = ModelRunner(self.model, self.kv, batch_invariant=config.batch_invariant, graphs=graphs)
         self.tracker = tracker if tracker is not None else NoopTracker()
         self.observers = list(observers)
         self.allocator, self.req_pool = self._build_memory(num_pages)
@@ -100,18 +87,28 @@ class Engine:
                             rotate_k=config.kv_rotate_k, residual=self.residual)
 
     def _build_memory(self, num_pages: int):
-        listeners = [self.tracker, *[o for o in self.observers if hasattr(o, "on_alloc")]]
+        """(allocator, request pool); the tracker tags every allocation (``alloc_tagged`` returns the tags)."""
+        listeners = [o for o in self.observers if hasattr(o, "on_alloc")]
         if self.config.memory == "sglang":
             from .sglang_memory import build_sglang_memory
 
-            return build_sglang_memory(self, num_pages, listeners)
-        return (PageAllocator(num_pages, listeners),
+            return build_sglang_memory(self, num_pages, listeners, tagger=self.tracker)
+        return (PageAllocator(num_pages, listeners, tagger=self.tracker),
                 ReqToPagePool(self.config.max_running, self.max_pages, self.config.device))
 
     # -- public API ---------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
         return self.kv.num_pages
+
+    @property
+    def graphs(self):
+        """The decode's CUDA graphs (``GraphedDecode``) or None; owned by the runner."""
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.runner.graphs = graphs
 
     @property
     def table(self) -> torch.Tensor:
@@ -191,8 +188,7 @@ class Engine:
         """``n`` pages (evicting cached prefixes if needed) and the tags the tracker gave them."""
         if not self.allocator.can_alloc(n):
             self.cache.evict(n - self.allocator.available())
-        pages = self.allocator.alloc(n)
-        return pages, self.tracker.fresh_tags
+        return self.allocator.alloc_tagged(n)
 
     def _grant(self, request: Request, first: int, pages: torch.Tensor, tags=None, shared: int = 0) -> None:
         """Map logical pages first.. of the request's row to ``pages`` and tell the tracker.
@@ -215,7 +211,7 @@ class Engine:
         request.row = self.req_pool.alloc_row()
         shareable = (len(request.prompt) - 1) // ps  # prompt pages the prefix cache could hand out
         # NOTE: only pages past those get a KV residual from the recent window (and the sink is
-        # refreshed on a hit, `_refresh_sink`), so a request's numerics never depend on cache hits.
+        # refreshed on a hit, `ModelRunner.refresh_sink`), so a request's numerics never depend on cache hits.
         self.kv.reset_residual(request.row, window_start=shareable)
         request.nodes = self.cache.match(request.prompt, max_pages=shareable)
         self.cache.lock(request.nodes)
@@ -239,28 +235,10 @@ class Engine:
         check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
         slots = self._write_slots(block, torch.zeros_like(positions), positions)
         slots = self._emit_writes([request] * len(positions), positions, slots)
-        self._refresh_sink(request, block[0])
-        logits = self._prefill_forward(torch.tensor(request.prompt[start:], device=self.device), start, block[0], slots,
-                                       row=request.row)
+        ctx = StepContext(positions, slots, block, rows, self._step_ride(check, graphed=False), start)
+        self.runner.refresh_sink(request.prompt, request.n_shared, ctx)
+        logits = self.runner.prefill(torch.tensor(request.prompt[start:], device=self.device), ctx)
         self._finish_step([request], logits, check, events)
-
-    def _refresh_sink(self, request: Request, page_row) -> None:
-        """A prefix-cache hit shares the sink pages but not their KV residual (it lives in the row of the
-        request that wrote them): recompute the first sink tokens over the shared pages, writing their
-        residual into this row and their K/V into scratch (the shared pages keep their bytes). The
-        sink's K/V depend on the sink's tokens only, so the residual comes out as a miss would write it.
-        Reads the rows the step's check already covers (``page_row`` is its kernel-visible copy).
-        """
-        layout = self.kv.residual
-        if layout is None or not request.n_shared or not layout.sink_pages:
-            return
-        n = min(layout.sink_pages, request.n_shared) * self.page_size
-        tokens = torch.tensor(request.prompt[:n], device=self.device)
-        scratch = torch.arange(n, device=self.device) % self.page_size  # slots of scratch page 0
-        chunk = 1 if self.config.batch_invariant else n  # as `_prefill_forward` computed them
-        for t in range(0, n, chunk):
-            self.model.prefill(tokens[t:t + chunk], t, self.kv, page_row, scratch[t:t + chunk], last_only=True,
-                               row=request.row)
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode(self, batch: list[Request], events: list[Event]) -> None:
@@ -280,7 +258,8 @@ class Engine:
         slots = self._write_slots(block, torch.arange(len(batch), device=self.device), positions)
         slots = self._emit_writes(batch, positions, slots)
         tokens = torch.tensor([r.tokens[-1] for r in batch], device=self.device)
-        logits = self._decode_forward(tokens, positions, block, slots, rows)
+        ctx = StepContext.for_decode(positions, slots, block, rows, self._step_ride(check, self.runner.graphed))
+        logits = self.runner.decode(tokens, ctx)
         self._finish_step(batch, logits, check, events)
 
     def _grow(self, batch: list[Request]) -> None:
@@ -292,44 +271,10 @@ class Engine:
         for i, (request, page) in enumerate(zip(growing, pages)):
             self._grant(request, request.n_pages, page.view(1), None if fresh is None else fresh[i:i + 1])
 
-    def _prefill_forward(self, tokens, start: int, page_row, slots, model=None, kv=None, row=None) -> torch.Tensor:
-        """Prompt logits (last token); ``model``/``kv`` default to the engine's (the decode side's);
-        ``row``: the request's row (a KV residual needs it)."""
-        model = self.model if model is None else model
-        kv = self.kv if kv is None else kv
-        row_kw = {} if row is None else {"row": row}
-        last = {**self._last_forward_kwargs(graphed=False), **row_kw}
-        if not self.config.batch_invariant:
-            return model.prefill(tokens, start, kv, page_row, slots, last_only=True, **last)
-        # NOTE: token by token, each prompt position reads its prefix from the (FP8) cache whether or not
-        # the prefix came from the prefix cache, and every GEMM has one row: a prompt's logits do not
-        # depend on cache hits or on the shape of the prefill.
-        n = tokens.numel()
-        for t in range(n):
-            logits = model.prefill(tokens[t:t + 1], start + t, kv, page_row, slots[t:t + 1], last_only=True,
-                                   **(last if t == n - 1 else row_kw))
-        return logits
-
-    def _decode_forward(self, tokens, positions, block, slots, rows) -> torch.Tensor:
-        last = self._last_forward_kwargs(graphed=self.graphs is not None)
-        if not self.config.batch_invariant:
-            return self._decode_rows(tokens, positions, block, slots, rows, **last)
-        # NOTE: row by row, each request's logits are bit-identical whatever else is in the batch, so
-        # a chaos run can compare every non-victim's output with the fault-free run token for token.
-        n = tokens.numel()
-        return torch.cat([self._decode_rows(tokens[b:b + 1], positions[b:b + 1], block[b:b + 1], slots[b:b + 1],
-                                            rows[b:b + 1], **(last if b == n - 1 else {})) for b in range(n)])
-
-    def _decode_rows(self, tokens, positions, block, slots, rows, **last) -> torch.Tensor:
-        """``model.decode`` over the engine's cache, through the CUDA graphs when they are on."""
-        if self.graphs is not None:
-            return self.graphs(tokens, positions, block, slots, rows)
-        return self.model.decode(tokens, positions, self.kv, block, slots, rows=rows, **last)
-
-    def _last_forward_kwargs(self, graphed: bool) -> dict:
-        """Extra keyword arguments for the last model call of a forward (none here; a TP rank's verdict
-        ride, engine/tp.py). ``graphed``: that call is a CUDA-graph replay, which takes none."""
-        return {}
+    def _step_ride(self, check, graphed: bool):
+        """What of ``check`` rides in its forward's context to the last all-reduce (None here; a TP
+        rank's verdict ride, engine/tp.py). ``graphed``: the forward replays CUDA graphs, which take none."""
+        return None
 
     # -- shared step pieces ------------------------------------------------------------------------
     def _validate(self, block, rows, n_entries, batch, positions_read):

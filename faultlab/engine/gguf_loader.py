@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from faultlab.engine.choices import check_choice
 from faultlab.engine.shapes import ModelConfig
 from faultlab.engine.weights import Int4Weight, LayerWeights, Linear, ModelWeights, check_weight_args, dense_dtype_for
 
@@ -56,8 +57,7 @@ class GGUFTokenizer:
             return default if field is None else field.contents()
 
         model = get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model {model!r} is not supported; valid: ['gpt2']")
+        check_choice("tokenizer.ggml.model", model, ["gpt2"])
         return cls(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type"), get("tokenizer.ggml.merges"),
                    get("tokenizer.ggml.pre", "gpt2"), int(get("tokenizer.ggml.bos_token_id")),
                    int(get("tokenizer.ggml.eos_token_id")), get("tokenizer.chat_template"))

@@ -6,7 +6,9 @@
 - ``ReqToPagePool`` owns the request->page table: one int32 row per request slot.
 - ``RadixCache`` (in radix.py) owns cached prefix pages and their lock counts.
 
-Listeners (the tracker, the oracle) observe ``on_alloc(pages)`` / ``on_free(pages)``.
+Listeners (the tracker, the oracle) observe ``on_alloc(pages)`` / ``on_free(pages)``. One of them may be
+the allocator's *tagger* (the tracker): its ``on_alloc`` reply, the tag each slot of the allocation got, is
+what ``alloc_tagged`` returns with the pages, so the engine records exactly those tags.
 """
 import torch
 
@@ -18,12 +20,13 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
     """Free-page list. ``alloc`` takes a prefix; ``free`` prepends; listeners see every page move."""
 
-    def __init__(self, num_pages: int, listeners=()):
+    def __init__(self, num_pages: int, listeners=(), *, tagger=None):
         if num_pages < 1:
             raise ValueError(f"PageAllocator: num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.free_pages = torch.arange(1, num_pages + 1, dtype=torch.int64)  # [n_free]
-        self.listeners = list(listeners)
+        self.tagger = tagger
+        self.listeners = with_tagger(listeners, tagger)
 
     def available(self) -> int:
         return int(self.free_pages.numel())
@@ -33,12 +36,14 @@ class PageAllocator:
 
     def alloc(self, n: int) -> torch.Tensor:
         """Hand out ``n`` pages (int64 [n], CPU)."""
+        return self.alloc_tagged(n)[0]
+
+    def alloc_tagged(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``alloc(n)`` and the tags the tagger gave the pages, one per slot (None: no tags)."""
         if not self.can_alloc(n):
             raise OutOfPages(f"need {n} pages, {self.available()} free")
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        for listener in self.listeners:
-            listener.on_alloc(pages)
-        return pages
+        return pages, notify_alloc(self.listeners, self.tagger, pages)
 
     def free(self, pages: torch.Tensor) -> None:
         """Return pages (prepended: the next allocation reuses them first)."""
@@ -83,3 +88,18 @@ class ReqToPagePool:
         if first + n > self.max_pages:
             raise ValueError(f"row {row}: logical pages {first}..{first + n} exceed max_pages {self.max_pages}")
         self.table[row, first:first + n] = pages.to(self.table.device, torch.int32)
+
+
+def with_tagger(listeners, tagger) -> list:
+    """The listener list: the tagger first (it tags the pages before anyone else sees them)."""
+    return ([] if tagger is None else [tagger]) + [x for x in listeners if x is not tagger]
+
+
+def notify_alloc(listeners, tagger, pages: torch.Tensor) -> torch.Tensor | None:
+    """Tell every listener about an allocation; the tagger's reply (the tags) or None."""
+    tags = None
+    for listener in listeners:
+        reply = listener.on_alloc(pages)
+        if listener is tagger:
+            tags = reply
+    return tags

@@ -1,14 +1,38 @@
-"""A Llama decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, with prefill and batched decode."""
+"""A Llama decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, with prefill and batched decode.
+
+``LlamaModel.forward(tokens, kv, ctx)`` runs one forward described by a ``StepContext`` (context.py);
+``prefill`` / ``decode`` build that context from plain arguments. ``load_model`` builds a model by name.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
+from faultlab.engine.choices import check_choice
+from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import BACKENDS, PagedKVCache
 from faultlab.engine.shapes import ModelConfig
 from faultlab.engine.weights import Int4Weight, Linear, ModelWeights, concat_rows
+
+
+@lru_cache(maxsize=8)
+def load_model(name: str, weight_dtype: str, backend: str, device: str, seed: int = 0):
+    """(LlamaModel, tokenizer or None), cached per process: weights never change during a run."""
+    from .config import get_preset
+
+    if name == "smollm2":
+        from .gguf_loader import load_smollm2
+
+        config, weights, tokenizer = load_smollm2(weight_dtype=weight_dtype, device=device)
+    else:
+        from .weights import random_weights
+
+        config, tokenizer = get_preset(name), None
+        weights = random_weights(config, seed=seed, weight_dtype=weight_dtype, device=device)
+    return LlamaModel(config, weights, backend=backend), tokenizer
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,8 +87,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, backend: str = "torch",
                  act_dtype: torch.dtype | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; valid: {list(BACKENDS)}")
+        check_choice("backend", backend, BACKENDS)
         self.config, self.backend = config, backend
         self.device = weights.embedding.device
         self.act_dtype = act_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
@@ -89,8 +112,13 @@ class LlamaModel:
                       wo=self._prepare(lw.wo), ffn_norm=lw.ffn_norm,
                       w_gate_up=self._prepare(concat_rows([lw.w_gate, lw.w_up])), w_down=self._prepare(lw.w_down))
 
-    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
-        """y [M, N] = x [M, K] @ W.T in the activation dtype."""
+    def linear(self, x: torch.Tensor, w: Linear, ride=None) -> torch.Tensor:
+        """y [M, N] = x [M, K] @ W.T in the activation dtype.
+
+        ``ride``: a verdict ride for the forward's last all-reduce; a single-process model has none (TP:
+        ``TPLlamaModel.linear``)."""
+        if ride is not None:
+            raise RuntimeError(f"{type(self).__name__}: the verdict ride found no all-reduce to board")
         if isinstance(w, Int4Weight):
             from faultlab.engine.kernels.int4_gemm import int4_linear
 
@@ -111,10 +139,15 @@ class LlamaModel:
         qk = apply_rope(heads[:, :n_qk], rot).to(heads.dtype)  # q and k in one pass
         return qk[:, :c.n_heads], qk[:, c.n_heads:], heads[:, n_qk:]
 
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, x: torch.Tensor, ride=None) -> torch.Tensor:
+        """``ride`` (the last layer's only): boards w_down's all-reduce, the forward's last one."""
         h = rms_norm(x, layer.ffn_norm, self.config.rms_eps)
         gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [T, ffn] each
-        return self.linear(F.silu(gate) * up, layer.w_down)
+        return self.linear(F.silu(gate) * up, layer.w_down, ride)
+
+    def _ride_at(self, i: int, ctx: StepContext):
+        """The context's verdict ride for layer ``i`` (the last layer's), else None."""
+        return ctx.ride if i == len(self.layers) - 1 else None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, self.final_norm, self.config.rms_eps)
@@ -140,61 +173,74 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.sm_scale)
         return out.permute(2, 0, 1, 3).flatten(1)  # [T, Hq * D]
 
-    def _prefill_layer(self, i: int, x, rot, start_pos, kv, page_row, write_slots, row, res_slots):
-        layer = self.layers[i]
+    def _prefill_layer(self, i: int, x, rot, kv: PagedKVCache, ctx: StepContext, res_slots):
+        layer, start_pos = self.layers[i], ctx.start
         q, k, v = self._qkv(layer, x, rot)
-        kv.store(i, k, v, write_slots, res_slots)
+        kv.store(i, k, v, ctx.slots, res_slots)
         if start_pos > 0:  # the cached prefix, dequantized from the pages
-            k_old, v_old = kv.gather(i, page_row, start_pos, row=row, length=start_pos + x.shape[0])
+            k_old, v_old = kv.gather(i, ctx.page_row, start_pos, ctx)
             k = torch.cat([k_old.to(k.dtype), k])
             v = torch.cat([v_old.to(v.dtype), v])
         x = x + self.linear(self._prefill_attention(q, k, v, start_pos), layer.wo)
-        return x + self._mlp(layer, x)
+        return x + self._mlp(layer, x, self._ride_at(i, ctx))
 
-    @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, start_pos: int, kv: PagedKVCache, page_row: torch.Tensor,
-                write_slots: torch.Tensor, *, last_only: bool = False, row: int | None = None) -> torch.Tensor:
-        """Run tokens [T] at positions start_pos..start_pos+T-1 -> logits float32 [T, vocab].
-
-        Positions < start_pos are read from `kv` through page_row (int32 [P]); the new K/V are stored
-        at write_slots (long [T]) and attended with their fresh (unquantized) values, causally.
-        `last_only` returns the logits of the last token only ([1, vocab]). `row`: the request's row,
-        which a cache with a KV residual needs (`PagedKVCache.residual`).
-        """
-        t = tokens.shape[0]
+    def _prefill(self, tokens: torch.Tensor, kv: PagedKVCache, ctx: StepContext, last_only: bool) -> torch.Tensor:
+        t, start_pos = tokens.shape[0], ctx.start
         self._check_positions(start_pos + t - 1)
         rot = self.rot[start_pos:start_pos + t]  # [T, D/2]
         x = self._embed(tokens)
-        res_slots = None
-        if kv.residual is not None:
-            positions = torch.arange(start_pos, start_pos + t, device=tokens.device)
-            rows = None if row is None else torch.full_like(positions, row)
-            res_slots = kv.residual_slots(rows, positions, torch.full_like(positions, start_pos + t))
+        res_slots = kv.residual_slots(ctx)
         for i in range(len(self.layers)):
-            x = self._prefill_layer(i, x, rot, start_pos, kv, page_row, write_slots, row, res_slots)
+            x = self._prefill_layer(i, x, rot, kv, ctx, res_slots)
         return self._logits(x[-1:] if last_only else x)
 
     # ---- decode --------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
-               block_table: torch.Tensor, write_slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step of B requests -> logits float32 [B, vocab].
-
-        tokens [B] at positions [B] (long); their K/V are stored at write_slots [B] (long), then paged
-        decode attention reads block_table (int32 [B, P]) over seq_lens = positions + 1. `rows` [B]: the
-        requests' rows, which a cache with a KV residual needs (`PagedKVCache.residual`).
-        """
+    def _decode(self, tokens: torch.Tensor, kv: PagedKVCache, ctx: StepContext) -> torch.Tensor:
+        positions = ctx.positions
         if positions.device.type == "cpu":  # no host sync on an accelerator
             self._check_positions(int(positions.max()))
-        seq_lens = (positions + 1).to(torch.int32)
-        plan = kv.decode_plan(block_table, seq_lens, rows)  # shared by every layer
-        res_slots = kv.residual_slots(rows, positions, seq_lens)
+        seq_lens = ctx.seq_lens
+        plan = kv.decode_plan(ctx)  # shared by every layer
+        res_slots = kv.residual_slots(ctx)
         rot, x = self.rot[positions], self._embed(tokens)  # [B, D/2], [B, hidden]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rot)
-            kv.store(i, k, v, write_slots, res_slots)
-            attn = kv.decode_attention(i, q, block_table, seq_lens, self.sm_scale, plan)  # [B, Hq, D]
+            kv.store(i, k, v, ctx.slots, res_slots)
+            attn = kv.decode_attention(i, q, ctx.block, seq_lens, self.sm_scale, plan)  # [B, Hq, D]
             x = x + self.linear(attn.reshape(attn.shape[0], -1).to(self.act_dtype), layer.wo)
-            x = x + self._mlp(layer, x)
+            x = x + self._mlp(layer, x, self._ride_at(i, ctx))
         return self._logits(x)
+
+    # ---- entry points --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, kv: PagedKVCache, ctx: StepContext, *,
+                last_only: bool = False) -> torch.Tensor:
+        """One forward of tokens [T] over ``kv`` as ``ctx`` describes it -> logits float32.
+
+        Prefill context: positions ``ctx.start..`` of one request; positions < start are read from ``kv``
+        through its page row, the new K/V are stored at ``ctx.slots`` and attended with their fresh
+        (unquantized) values, causally; logits [T, vocab] (``last_only``: [1, vocab]). Decode context:
+        one token per request, K/V stored at ``ctx.slots``, then paged decode attention over ``ctx.block``
+        up to each position; logits [B, vocab]. ``ctx.rows`` address a KV residual; ``ctx.ride`` boards
+        the forward's last all-reduce (TP).
+        """
+        if ctx.is_prefill:
+            return self._prefill(tokens, kv, ctx, last_only)
+        return self._decode(tokens, kv, ctx)
+
+    def prefill(self, tokens: torch.Tensor, start_pos: int, kv: PagedKVCache, page_row: torch.Tensor,
+                write_slots: torch.Tensor, *, last_only: bool = False, row: int | None = None,
+                ride=None) -> torch.Tensor:
+        """``forward`` of tokens [T] at positions start_pos.. over page_row (int32 [P]), K/V stored at
+        write_slots (long [T]); ``row``: the request's row (a KV residual needs it)."""
+        ctx = StepContext.for_prefill(start_pos, write_slots, page_row, row, ride)
+        return self.forward(tokens, kv, ctx, last_only=last_only)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache, block_table: torch.Tensor,
+               write_slots: torch.Tensor, rows: torch.Tensor | None = None, *, ride=None) -> torch.Tensor:
+        """``forward`` of one token per request: tokens [B] at positions [B] (long), K/V stored at
+        write_slots [B] (long), attention over block_table (int32 [B, P]); ``rows`` [B]: the requests'
+        rows (a KV residual needs them)."""
+        return self.forward(tokens, kv, StepContext.for_decode(positions, write_slots, block_table, rows, ride))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .choices import check_choice
 from .kvcache import BACKENDS, KV_DTYPES, RESIDUAL_SINK, RESIDUAL_WINDOW
 from .weights import WEIGHT_DTYPES
 
@@ -19,8 +20,7 @@ class ConfigError(ValueError):
 
 
 def _choice(field: str, value, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"engine.{field} = {value!r} is not valid; choose one of {list(valid)}")
+    check_choice(f"engine.{field}", value, valid, ConfigError)
 
 
 @dataclass(frozen=True)

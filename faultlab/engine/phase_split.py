@@ -28,10 +28,13 @@ import torch
 
 from kvguard.transfer import guard_slots
 
-from .engine import Engine, load_model
+from .context import StepContext
+from .engine import Engine
 from .kvcache import PagedKVCache
 from .memory import PageAllocator
+from .model import load_model
 from .requests import Event, Request
+from .runner import ModelRunner
 
 
 @dataclass(eq=False)
@@ -65,6 +68,7 @@ class PhaseSplitEngine(Engine):
         # held from prefill to landing only; admission also checks this pool (`_admissible`).
         self.prefill_kv = PagedKVCache(mc.n_layers, self.num_pages, c.page_size, mc.n_kv_heads, mc.head_dim,
                                        dtype=c.prefill_kv_dtype, device=c.device, backend=c.backend)
+        self.prefill_runner = ModelRunner(self.prefill_model, self.prefill_kv, batch_invariant=c.batch_invariant)
         self.prefill_allocator = PageAllocator(self.num_pages)  # no listeners: the tracker guards decode
         device = torch.device(c.device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -127,8 +131,8 @@ class PhaseSplitEngine(Engine):
         src = src.to(device)
         slots = src[positions // ps] * ps + positions % ps
         tokens = torch.tensor(request.prompt, device=device)
-        return self._prefill_forward(tokens, 0, src.to(torch.int32), slots, model=self.prefill_model,
-                                     kv=self.prefill_kv)
+        ctx = StepContext.for_prefill(0, slots, src.to(torch.int32), positions=positions)
+        return self.prefill_runner.prefill(tokens, ctx)
 
     # -- the transfer ------------------------------------------------------------------------------
     def _issue(self, request: Request, first: int, pages: torch.Tensor, src: torch.Tensor, ticket) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .kvcache import KV_DTYPES, PagedKVCache
-from .memory import OutOfPages
+from .memory import OutOfPages, notify_alloc, with_tagger
 
 GUARD_PAGES = 4  # pages past the allocator's: what out-of-range page ids read without the tracker
 
@@ -66,11 +66,12 @@ def _paged(buffer: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Te
 class SGLangPageAllocator:
     """``PageAllocator``'s interface over SGLang's PagedTokenToKVPoolAllocator (page ids, not slots)."""
 
-    def __init__(self, allocator, listeners=()):
+    def __init__(self, allocator, listeners=(), *, tagger=None):
         self.sglang = allocator
         self.page_size = allocator.page_size
         self.num_pages = allocator.num_pages
-        self.listeners = list(listeners)
+        self.tagger = tagger
+        self.listeners = with_tagger(listeners, tagger)
 
     @property
     def free_pages(self) -> torch.Tensor:
@@ -85,13 +86,15 @@ class SGLangPageAllocator:
 
     def alloc(self, n: int) -> torch.Tensor:
         """Hand out ``n`` pages (int64 [n], CPU) through SGLang's ``alloc(n * page_size)``."""
+        return self.alloc_tagged(n)[0]
+
+    def alloc_tagged(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``alloc(n)`` and the tags the tagger gave the pages, one per slot (None: no tags)."""
         slots = self.sglang.alloc(n * self.page_size)
         if slots is None:
             raise OutOfPages(f"need {n} pages, {self.available()} free")
         pages = (slots[::self.page_size] // self.page_size).cpu()
-        for listener in self.listeners:
-            listener.on_alloc(pages)
-        return pages
+        return pages, notify_alloc(self.listeners, self.tagger, pages)
 
     def free(self, pages: torch.Tensor) -> None:
         """Return pages through SGLang's ``free_segment`` (prepended, no duplicate check)."""
@@ -195,8 +198,10 @@ class SGLangReqToPagePool:
         self.sglang.write(index, values.to(torch.int32))
 
 
-def build_sglang_memory(engine, num_pages: int, listeners) -> tuple[SGLangPageAllocator, SGLangReqToPagePool]:
-    """(allocator, request pool) over SGLang's PagedTokenToKVPoolAllocator and ReqToTokenPool.
+def build_sglang_memory(engine, num_pages: int, listeners, *,
+                        tagger=None) -> tuple[SGLangPageAllocator, SGLangReqToPagePool]:
+    """(allocator, request pool) over SGLang's PagedTokenToKVPoolAllocator and ReqToTokenPool; ``tagger``
+    (the tracker) tags every allocation (``SGLangPageAllocator.alloc_tagged``).
 
     The allocator hands out pages ``1..num_pages`` (page 0 is SGLang's padding page, our scratch) over
     the engine's MHATokenToKVPool (``engine.kv.sglang_pool``); the request pool has one row per
@@ -209,4 +214,4 @@ def build_sglang_memory(engine, num_pages: int, listeners) -> tuple[SGLangPageAl
                               kvcache=kvcache, need_sort=False)
     pool = req_pool_cls(size=cfg.max_running, max_context_len=engine.max_pages * ps, device=cfg.device,
                         enable_memory_saver=False)
-    return SGLangPageAllocator(allocator, listeners), SGLangReqToPagePool(pool, ps, engine.max_pages)
+    return SGLangPageAllocator(allocator, listeners, tagger=tagger), SGLangReqToPagePool(pool, ps, engine.max_pages)

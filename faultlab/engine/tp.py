@@ -16,14 +16,14 @@ Every rank runs the same deterministic scheduler (``TPEngine``): same requests, 
 page table; kvguard's ``RankTracker`` combines the per-request verdict across ranks so every rank
 aborts the same requests, and ``TPEngine`` checks once per step that the schedulers still agree.
 
-Verdict piggyback (``RankTracker(piggyback=True)``): ``TPLlamaModel.decode`` / ``prefill`` take
-``ride=`` (a ``kvguard.distributed.VerdictRide``); the forward's last row-parallel all-reduce (the
-last layer's w_down output) carries the rank's per-request flags as extra columns, so the verdict
-needs no all-reduce of its own. ``TPEngine`` passes the ride of each check to the last forward that
-follows it: the decode batch's (in batch-invariant mode, row by row, the last row's call carries all B
-flags as B columns of its one row) and the prefill's (its last token's call; a prefill checks one
-request, so one extra column). Prefill and decode both ride: with piggyback the engine issues no
-verdict all-reduce at all.
+Verdict piggyback (``RankTracker(piggyback=True)``): a check's ride (a ``kvguard.distributed.VerdictRide``)
+travels in the forward's ``StepContext`` (``ctx.ride``); the model hands it to the last layer's w_down,
+whose row-parallel all-reduce (the forward's last) carries the rank's per-request flags as extra columns,
+so the verdict needs no all-reduce of its own. ``TPEngine`` puts the ride of each check in the context of
+the forward that follows it: the decode batch's (in batch-invariant mode, row by row, the last row's piece
+carries all B flags as B columns of its one row) and the prefill's (its last token's piece; a prefill
+checks one request, so one extra column). Prefill and decode both ride: with piggyback the engine issues
+no verdict all-reduce at all.
 """
 from __future__ import annotations
 
@@ -124,50 +124,24 @@ class TPLlamaModel(LlamaModel):
         self.full_config = config
         local, shard = shard_weights(config, weights, self.rank, self.world)
         super().__init__(local, shard, backend=backend, act_dtype=act_dtype)
-        self._last_reduce = self.layers[-1].w_down  # the forward's last all-reduce: where a verdict rides
-        self._ride = None
 
     def _prepare_layer(self, lw):
         layer = super()._prepare_layer(lw)
         return replace(layer, wo=RowParallel(layer.wo), w_down=RowParallel(layer.w_down))
 
-    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w, ride=None) -> torch.Tensor:
         """``LlamaModel.linear``; a ``RowParallel`` weight's output is summed over the ranks.
 
-        At the last one of a forward given ``ride=``, the verdict flags ride along (``VerdictRide``).
+        ``ride`` (a ``VerdictRide``, given at the forward's last all-reduce): the verdict flags ride along.
         """
         if not isinstance(w, RowParallel):
-            return super().linear(x, w)
+            return super().linear(x, w, ride)
         y = super().linear(x, w.weight)
-        ride = self._ride if w is self._last_reduce else None
         if ride is not None:
-            self._ride = None
             y = ride.board(y)
         if self.world > 1:
             dist.all_reduce(y, group=self.group)
         return y if ride is None else ride.land(y)
-
-    def decode(self, tokens, positions, kv, block_table, write_slots, *, rows=None, ride=None) -> torch.Tensor:
-        """``LlamaModel.decode``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
-        return self._carrying(ride, super().decode, tokens, positions, kv, block_table, write_slots, rows=rows)
-
-    def prefill(self, tokens, start_pos, kv, page_row, write_slots, *, last_only=False, row=None,
-                ride=None) -> torch.Tensor:
-        """``LlamaModel.prefill``; ``ride`` (a ``VerdictRide``) rides on its last all-reduce."""
-        return self._carrying(ride, super().prefill, tokens, start_pos, kv, page_row, write_slots,
-                              last_only=last_only, row=row)
-
-    def _carrying(self, ride, forward, *args, **kwargs) -> torch.Tensor:
-        if ride is None:
-            return forward(*args, **kwargs)
-        self._ride = ride
-        try:
-            out = forward(*args, **kwargs)
-        finally:
-            left, self._ride = self._ride, None
-        if left is not None:
-            raise RuntimeError("TPLlamaModel: the verdict ride found no all-reduce to board")
-        return out
 
 
 @lru_cache(maxsize=8)
@@ -202,7 +176,6 @@ class TPEngine(Engine):
             raise ConfigError("TPEngine supports memory='native' without phase_split")
         self.group, self.verify_schedule = group, verify_schedule
         self.tp_rank, self.tp_world = dist.get_rank(group), dist.get_world_size(group)
-        self._ride = None  # the last check's VerdictRide, until a forward carries it
         self.verdict_checks = 0  # checks launched (validate returned a check)
         self.verdict_rides = 0  # of those, checks whose verdict rode a forward's all-reduce (piggyback)
         super().__init__(config, tracker, observers)
@@ -211,24 +184,18 @@ class TPEngine(Engine):
         c = self.config
         return load_tp_model(c.model, c.weight_dtype, c.backend, c.device, c.seed, self.group), None
 
-    # -- verdict piggyback: the check's ride goes to the last forward after it -----------------------
-    def _validate(self, block, rows, n_entries, batch, positions_read):
-        check = super()._validate(block, rows, n_entries, batch, positions_read)
+    # -- verdict piggyback: the check's ride goes into the context of the forward after it ----------
+    def _step_ride(self, check, graphed: bool):
+        """The check's ride for this step's context; a graph replay takes none: the verdict's own all-reduce."""
         self.verdict_checks += check is not None
-        self._ride = getattr(check, "ride", None)
-        return check
-
-    def _last_forward_kwargs(self, graphed: bool) -> dict:
-        """The last check's ride, for the forward's last model call (batch-invariant row by row: the last
-        row's call carries all B flags); a graph replay takes no ride: the verdict's own all-reduce."""
-        ride, self._ride = self._ride, None
+        ride = getattr(check, "ride", None)
         if ride is None:
-            return {}
+            return None
         if graphed:
             ride.combine()
-            return {}
+            return None
         self.verdict_rides += 1
-        return {"ride": ride}
+        return ride
 
     def step(self):
         """``Engine.step``, after checking that every rank schedules the same step."""

@@ -6,6 +6,7 @@ from typing import Union
 
 import torch
 
+from faultlab.engine.choices import check_choice
 from faultlab.engine.kernels.int4_gemm import GROUP_SIZES
 from faultlab.engine.shapes import ModelConfig
 
@@ -87,10 +88,8 @@ class ModelWeights:
 
 def check_weight_args(weight_dtype: str, group_size: int = 32) -> None:
     """Raise ValueError on an unknown weight dtype or group size."""
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"unknown weight_dtype {weight_dtype!r}; valid: {list(WEIGHT_DTYPES)}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"unsupported group_size {group_size}; valid: {list(GROUP_SIZES)}")
+    check_choice("weight_dtype", weight_dtype, WEIGHT_DTYPES)
+    check_choice("group_size", group_size, GROUP_SIZES)
 
 
 def dense_dtype_for(weight_dtype: str, device) -> torch.dtype:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from faultlab.chaos import checking_tracker
+from faultlab.engine.context import StepContext
 from faultlab.engine.cuda_graphs import GraphedDecode, bucket
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.kernels.testing import assert_close
@@ -50,7 +51,7 @@ def test_padded_buckets_match_plain_decode_and_write_only_their_slots():
     for batch, width in [(5, 3), (3, 2), (1, 1), (6, 5)]:  # a smaller step after a larger one reuses padding
         tokens, positions, block, slots = _decode_inputs(engine, batch, width, gen)
         before = [c.clone() for c in engine.kv.k]
-        got = graphed(tokens, positions, block, slots, torch.arange(batch))
+        got = graphed(tokens, StepContext.for_decode(positions, slots, block, torch.arange(batch)))
         after = [c.clone() for c in engine.kv.k]
         for c, b in zip(engine.kv.k, before):
             c.copy_(b)  # the plain decode writes the same slots again from the same state

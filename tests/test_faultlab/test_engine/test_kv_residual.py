@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from faultlab.chaos import checking_tracker
+from faultlab.engine.context import StepContext
 from faultlab.engine.cuda_graphs import GraphedDecode
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.kvcache import PagedKVCache, ResidualLayout
@@ -71,12 +72,12 @@ def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
     page_row = torch.arange(1, 8, dtype=torch.int32)
     pos = torch.arange(n)
     slots = page_row[pos // ps].long() * ps + pos % ps
+    ctx = StepContext.for_prefill(0, slots, page_row, row=0)  # the whole request, written by one forward
     for res, kv in caches.items():
         kv.reset_residual(0)
-        kv.store(0, k, v, slots, kv.residual_slots(torch.zeros(n, dtype=torch.long), pos, torch.full((n,), n))
-                 if res else None)
+        kv.store(0, k, v, slots, kv.residual_slots(ctx))
     plain = caches[False].gather(0, page_row, n)
-    with_res = caches[True].gather(0, page_row, n, row=0, length=n)
+    with_res = caches[True].gather(0, page_row, n, ctx)
     resident = (pos < 16) | (pos >= (n - 1) // ps * ps - 2 * ps)  # sink page + ring of 3 pages
     for exact, got, fp8 in zip((k, v), with_res, plain):
         assert _rel(got[resident], exact[resident]) < 5e-3 < 1e-2 < _rel(fp8[resident], exact[resident])
@@ -84,11 +85,11 @@ def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
 
     q = torch.randn(1, 4, d, generator=torch.Generator().manual_seed(1))
     block, seq = page_row[None], torch.tensor([n], dtype=torch.int32)
-    rows = torch.zeros(1, dtype=torch.long)
+    step = StepContext.for_decode(torch.tensor([n - 1]), slots[-1:], block, torch.zeros(1, dtype=torch.long))
     exact = torch.softmax(torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(2, 1)) / d ** 0.5, -1)
     exact = torch.einsum("hn,nhd->hd", exact, v.repeat_interleave(2, 1))
-    plain = caches[False].decode_attention(0, q, block, seq, d ** -0.5, caches[False].decode_plan(block, seq))
-    with_res = caches[True].decode_attention(0, q, block, seq, d ** -0.5, caches[True].decode_plan(block, seq, rows))
+    plain = caches[False].decode_attention(0, q, block, seq, d ** -0.5, caches[False].decode_plan(step))
+    with_res = caches[True].decode_attention(0, q, block, seq, d ** -0.5, caches[True].decode_plan(step))
     assert _rel(with_res[0], exact) < _rel(plain[0], exact) / 2
 
 
@@ -97,9 +98,12 @@ def test_cache_without_rows_fails_loudly():
     k, v = _random_kv(3)
     with pytest.raises(ValueError, match="res_slots"):
         kv.store(0, k, v, torch.arange(16, 19))
-    with pytest.raises(ValueError, match="rows"):
-        kv.decode_plan(torch.ones(1, 1, dtype=torch.int32), torch.tensor([3]))
-    with pytest.raises(ValueError, match="row and length"):
+    no_rows = StepContext.for_decode(torch.tensor([2]), torch.tensor([18]), torch.ones(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="decode needs the step context's request rows"):
+        kv.decode_plan(no_rows)
+    with pytest.raises(ValueError, match="a forward needs the step context's request rows"):
+        kv.residual_slots(no_rows)
+    with pytest.raises(ValueError, match="gather needs the step context's request rows"):
         kv.gather(0, torch.ones(1, dtype=torch.int32), 3)
     with pytest.raises(ValueError, match="fp8"):
         PagedKVCache(1, 4, 16, 2, 32, "bf16", residual=ResidualLayout.of(1, 16))
@@ -207,7 +211,7 @@ def test_graph_padding_rows_write_only_the_scratch_row():
     tokens, rows = torch.tensor([5, 6, 7]), torch.tensor([0, 2, 5])
     residuals = [*engine.kv.k_res, *engine.kv.v_res]
     before = [r.clone() for r in residuals]
-    got = graphed(tokens, positions, pages, slots, rows)  # bucket of 4: one padding row
+    got = graphed(tokens, StepContext.for_decode(positions, slots, pages, rows))  # bucket of 4: one padding row
     after = [r.clone() for r in residuals]
     for r, b in zip(residuals, before):
         r.copy_(b)
