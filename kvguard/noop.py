@@ -40,13 +40,11 @@ class NoopTracker:
     def on_free(self, pages: torch.Tensor) -> None:
         """Pages returned to the allocator."""
 
-    fresh_tags = None
-
     def record(self, row: int, first: int, pages: torch.Tensor, tags: torch.Tensor | None = None) -> None:
         """Request slot ``row`` now maps logical pages ``first..first+len(pages)`` to ``pages``.
 
-        ``tags``: the tags the allocation gave these pages (``fresh_tags`` slices of the last
-        ``on_alloc``); None reads the pages' current tags (pages shared from a prefix cache).
+        ``tags``: the tags the allocation gave these pages (slices of what ``on_alloc`` returned);
+        None reads the pages' current tags (pages shared from a prefix cache).
         """
 
     def record_many(self, rows: torch.Tensor, cols: torch.Tensor, pages: torch.Tensor,

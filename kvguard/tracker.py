@@ -31,7 +31,7 @@ class TagTracker(NoopTracker):
     Threads: safe to share. One lock (``self.lock``, re-entrant) serialises tag issuance (``on_alloc``,
     ``on_free``) and every write or read of the expected tags (``record``, ``record_many``, ``drop``,
     ``held_pages``, ``resolve``, transfers), so tags stay unique under concurrent callers.
-    ``fresh_tags`` is per thread: it holds the tags of the calling thread's last ``on_alloc``.
+    ``on_alloc`` returns the tags it issued (one per slot), so each caller records its own allocation's tags.
     A caller that must make several calls atomically (alloc then record) holds ``with tracker.lock:``.
 
     Misuse raises ValueError (or RuntimeError before ``attach``) naming the argument: a row outside
@@ -49,12 +49,6 @@ class TagTracker(NoopTracker):
         self.expected: torch.Tensor | None = None  # int64 [num_rows, max_entries]
         self._aranges: torch.Tensor | None = None
         self.lock = threading.RLock()
-        self._local = threading.local()
-
-    @property
-    def fresh_tags(self) -> torch.Tensor | None:
-        """Tags of the calling thread's last ``on_alloc`` (one per slot of that allocation)."""
-        return getattr(self._local, "fresh_tags", None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
@@ -107,9 +101,7 @@ class TagTracker(NoopTracker):
         self._require_attached()
         self._check_pages("on_alloc", pages)
         with self.lock:
-            fresh = self.tags.bump(pages)  # [n] tag of each slot of this allocation (a page twice: two tags)
-            self._local.fresh_tags = fresh
-            return fresh
+            return self.tags.bump(pages)  # [n] tag of each slot of this allocation (a page twice: two tags)
 
     def on_free(self, pages: torch.Tensor) -> None:
         self._require_attached()

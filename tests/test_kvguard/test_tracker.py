@@ -487,8 +487,8 @@ def test_concurrent_on_alloc_issues_unique_tags():
     def worker(t: int) -> None:
         barrier.wait()
         for i in range(rounds):
-            tracker.on_alloc(torch.tensor([1 + (i + t) % (NUM_PAGES - 1), 1 + (i + 7 * t) % (NUM_PAGES - 1)]))
-            issued[t] += tracker.fresh_tags.tolist()  # this thread's own allocation
+            pages = torch.tensor([1 + (i + t) % (NUM_PAGES - 1), 1 + (i + 7 * t) % (NUM_PAGES - 1)])
+            issued[t] += tracker.on_alloc(pages).tolist()  # this thread's own allocation
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in (0, 1)]
     for th in threads:
