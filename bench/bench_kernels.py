@@ -30,7 +30,7 @@ import triton.testing
 
 from faultlab.engine.kernels.int4_gemm import int4_linear, int4_linear_ref, quantize_int4
 from faultlab.engine.kernels.kv_store import store_kv, store_kv_ref
-from faultlab.engine.kernels.paged_attention import paged_decode_attention_ref
+from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from faultlab.engine.kernels.testing import rel_error
 
 FP8 = torch.float8_e4m3fn

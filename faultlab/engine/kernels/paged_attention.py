@@ -18,16 +18,19 @@ only a request's tokens before a and from c on can have one: the unchanged plain
 middle [a, c) (split as usual), and residual programs read the two ends joined, ``res_max_tokens`` at
 most, in blocks; the partial results merge by log-sum-exp. A request whose residual covers only its
 first and last pages pays for those pages only.
+
+The launchers' argument checks and the torch reference ``paged_decode_attention_ref`` (re-exported here)
+live in ``paged_attention_ref.py``.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_pair, check_residual_pair
 from ._common import dot_f32 as _dot
 from .kv_store import RES_SCALE
+from .paged_attention_ref import Q_DTYPES, dequant_scales, fail, validate, validate_res  # noqa: F401
+from .paged_attention_ref import paged_decode_attention_ref  # noqa: F401  (re-exported: the op's reference)
 
-Q_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_N = 64  # tokens per inner step
 BLOCK_N_FP8 = 128  # tokens per inner step on FP8 caches when the sequence is not split
 MIN_SPLIT_TOKENS = 256  # shortest stretch of sequence worth a program of its own
@@ -223,71 +226,6 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-def _fail(name: str, why: str):
-    raise ValueError(f"paged_decode_attention: {name} {why}")
-
-
-def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
-    if q.dim() != 3 or q.dtype not in Q_DTYPES:
-        _fail("q", f"must be a 3-D [B, H, D] float32/bfloat16 tensor, got {tuple(q.shape)} {q.dtype}")
-    if q.stride(2) != 1:
-        _fail("q", "must be contiguous along its last dimension")
-    check_cache_pair(k_cache, v_cache, _fail)
-    n_batch, n_heads, head_dim = q.shape
-    n_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        _fail("k_cache", f"has head_dim {k_cache.shape[3]} but q has {head_dim}")
-    if head_dim < 16:
-        _fail("q", f"head_dim must be >= 16, got {head_dim}")
-    if n_heads % n_kv_heads != 0:
-        _fail("q", f"has {n_heads} heads, not a multiple of the cache's {n_kv_heads} KV heads")
-    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != n_batch:
-        _fail("block_table", f"must be a 2-D int32 [B={n_batch}, max_pages] tensor, got "
-                             f"{tuple(block_table.shape)} {block_table.dtype}")
-    if block_table.stride(1) != 1:
-        _fail("block_table", "must be contiguous along its last dimension")
-    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.numel() != n_batch:
-        _fail("seq_lens", f"must be a 1-D int32/int64 tensor of {n_batch} lengths, got "
-                          f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, block_table, seq_lens)}
-    if len(devices) != 1:
-        _fail("tensors", f"must share one device, got {sorted(map(str, devices))}")
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not (float(s) > 0.0 and float(s) < float("inf")):
-            _fail(name, f"must be a positive finite number, got {float(s)}")
-
-
-def _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds=None, res_max_tokens=None) -> bool:
-    """Check the optional KV residual arguments (after _validate); True when they are given."""
-    if not check_residual_pair(k_cache, k_res, v_res, "res_table", res_table, _fail):
-        if res_bounds is not None:
-            _fail("res_bounds", "needs k_res, v_res and res_table")
-        return False
-    if res_table.dtype != torch.int32 or res_table.shape != block_table.shape:
-        _fail("res_table", f"must be an int32 tensor shaped like block_table {tuple(block_table.shape)}, got "
-                           f"{tuple(res_table.shape)} {res_table.dtype}")
-    if res_table.stride(1) != 1:
-        _fail("res_table", "must be contiguous along its last dimension")
-    if res_max_tokens is not None and not (isinstance(res_max_tokens, int) and res_max_tokens > 0):
-        _fail("res_max_tokens", f"must be a positive int, got {res_max_tokens!r}")
-    if res_bounds is not None and (res_bounds.dtype != torch.int32 or res_bounds.shape != (block_table.shape[0], 2)
-                                   or not res_bounds.is_contiguous()):
-        _fail("res_bounds", f"must be a contiguous int32 [{block_table.shape[0]}, 2] tensor, got "
-                            f"{tuple(res_bounds.shape)} {res_bounds.dtype}")
-    tensors = (q, k_res, v_res, res_table) + (() if res_bounds is None else (res_bounds,))
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        _fail("k_res", f"v_res, res_table and res_bounds must be on q's device, got {sorted(map(str, devices))}")
-    return True
-
-
-def _dequant_scales(cache, k_scale, v_scale) -> tuple[float, float]:
-    """Scales apply to FP8 caches only (see store_kv)."""
-    if cache.dtype == torch.float8_e4m3fn:
-        return float(k_scale), float(v_scale)
-    return 1.0, 1.0
-
-
 def _auto_splits(q, n_kv_heads: int, max_tokens: int) -> int:
     """Split the sequence when (request, KV head) pairs alone would leave most SMs idle."""
     if q.device.type != "cuda":
@@ -339,12 +277,12 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     ``k_res``/``v_res``/``res_table``/``res_bounds``/``res_max_tokens``: optional KV residual (see
     :func:`paged_decode_attention`).
     """
-    _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds, res_max_tokens)
+    validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    has_res = validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds, res_max_tokens)
     n_batch, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
-    ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
+    ks, vs = dequant_scales(k_cache, k_scale, v_scale)
     out = torch.empty((n_batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if n_batch == 0:
         return out
@@ -354,7 +292,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
     auto_mode, auto_n, auto_warps, auto_stages = _choose(k_cache.dtype, group, n_splits)
     mode = auto_mode if mode is None else mode
     if mode not in (0, 1, 2):
-        _fail("mode", f"must be 0, 1 or 2, got {mode}")
+        fail("mode", f"must be 0, 1 or 2, got {mode}")
     block_n = block_n or auto_n
     num_warps, num_stages = num_warps or auto_warps, num_stages or auto_stages
     split_tokens = triton.cdiv(triton.cdiv(max_tokens, n_splits), block_n) * block_n
@@ -432,40 +370,3 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
     return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
                          k_res=k_res, v_res=v_res, res_table=res_table, res_bounds=res_bounds,
                          res_max_tokens=res_max_tokens)
-
-
-def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
-                               k_scale=1.0, v_scale=1.0, k_res=None, v_res=None, res_table=None, res_bounds=None,
-                               res_max_tokens=None):
-    """Torch reference of :func:`paged_decode_attention`: per-request gather, dequantize, softmax."""
-    _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    has_res = _validate_res(q, k_cache, block_table, k_res, v_res, res_table, res_bounds, res_max_tokens)
-    n_batch, n_heads, head_dim = q.shape
-    page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    ks, vs = _dequant_scales(k_cache, k_scale, v_scale)
-    out = torch.zeros((n_batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
-    for b in range(n_batch):
-        n = int(seq_lens[b])
-        if n > block_table.shape[1] * page_size:
-            _fail("seq_lens", f"[{b}] = {n} exceeds max_pages * page_size = "
-                              f"{block_table.shape[1] * page_size}")
-        if n <= 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        pages = block_table[b, pos // page_size].long()  # [n]
-        k = k_cache[pages, pos % page_size].float()  # [n, Hkv, D]
-        v = v_cache[pages, pos % page_size].float()
-        if has_res:
-            res_pages = res_table[b, pos // page_size].long()  # [n]
-            has = res_pages >= 0
-            if res_bounds is not None:
-                has &= (pos < res_bounds[b, 0]) | (pos >= torch.maximum(res_bounds[b, 1], res_bounds[b, 0]))
-            k[has] += k_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
-            v[has] += v_res[res_pages[has], pos[has] % page_size].float() / RES_SCALE
-        k, v = k * ks, v * vs
-        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [n, H, D]
-        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * float(sm_scale)  # [H, n]
-        probs = torch.softmax(scores, dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
-    return out

@@ -133,7 +133,7 @@ def test_real_model_says_paris():
 def test_torch_cache_ops_match_kernel_references(kv_dtype):
     from faultlab.engine.kvcache import batched_decode_attention
     from faultlab.engine.kernels.kv_store import store_kv_ref
-    from faultlab.engine.kernels.paged_attention import paged_decode_attention_ref
+    from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 
     gen = torch.Generator().manual_seed(5)
     kv = PagedKVCache(1, 10, PAGE, 2, 16, kv_dtype, k_scale=0.3, v_scale=2.0, rotate_k=False)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from faultlab.engine.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref
-from faultlab.engine.kernels.paged_attention import (
-    _paged_decode, paged_decode_attention, paged_decode_attention_ref,
-)
+from faultlab.engine.kernels.paged_attention import _paged_decode, paged_decode_attention
+from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn, rel_error
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"

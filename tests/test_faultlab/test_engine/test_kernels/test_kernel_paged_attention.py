@@ -4,9 +4,8 @@ import os
 import pytest
 import torch
 
-from faultlab.engine.kernels.paged_attention import (
-    _paged_decode, paged_decode_attention, paged_decode_attention_ref,
-)
+from faultlab.engine.kernels.paged_attention import _paged_decode, paged_decode_attention
+from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from faultlab.engine.kernels.testing import assert_close, generator, randn
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
