@@ -14,7 +14,7 @@ Variants (``--variants``): ``noop`` and ``noop2`` (no tracker: A/A noise floor),
 rank's tag check, no combine: the single-GPU tracker cost), ``check`` (tag check + the verdict
 all-reduce (MAX) of ``kvguard.distributed.RankTracker``: what TP deployments run), ``check_piggyback``
 (tag check, the verdict riding as one extra column on the last layer's w_down all-reduce:
-``RankTracker(piggyback=True)`` + ``TPLlamaModel.decode(..., ride=)``; no all-reduce of its own, no
+``RankTracker(piggyback=True)`` + the check's ride in the forward's ``StepContext``; no all-reduce of its own, no
 host sync, captured in the graph like the others). The all-reduce section times ``combine_verdict``
 alone (eager and 50-in-a-graph) next to a hidden-state all-reduce of the same batch, [B, hidden], and
 the piggyback's [B, hidden + 1].
@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from faultlab.chaos import checking_tracker
 from faultlab.engine.config import get_preset
+from faultlab.engine.context import StepContext
 from faultlab.engine.tp import TPLlamaModel
 from faultlab.engine.weights import random_weights
 from faultlab.gpubench_step import DecodeState
@@ -110,9 +111,8 @@ def decode_step(state: DecodeState, model, tracker):
     check = tracker.validate(block, state.rows, state.n_entries, max_entries=state.width,
                              source=state.table, source_rows=state.rows)
     slots = block.gather(1, state.page_idx).squeeze(1).long() * state.ps + state.offs
-    ride = getattr(check, "ride", None)
-    kwargs = {} if ride is None else {"ride": ride}
-    logits = model.decode(state.tokens, state.positions, state.kv, block, slots, **kwargs)
+    ctx = StepContext.for_decode(state.positions, slots, block, ride=getattr(check, "ride", None))
+    logits = model.forward(state.tokens, state.kv, ctx)
     return logits.argmax(-1), (None if check is None else check.verdict)
 
 
