@@ -1,5 +1,6 @@
 """The bounds every number of a scenario, the CLI or the pytest plugin must respect (one table), and the
-one check of a number and of a choice that all of them use.
+one check of a number that all of them use (choices: ``faultlab.engine.choices.check_choice``, the same
+message shape).
 
 A light module: the pytest plugin imports it at pytest start-up, so it imports nothing of faultlab's.
 Each caller passes the error class it raises (ScenarioError, UsageError, pytest.UsageError, ValueError);
@@ -36,11 +37,4 @@ def check_number(where: str, value, low, high, error: type[Exception] = ValueErr
         raise error(f"{where} = {value!r} is not valid; it must be {kind} in {low}..{high}")
     if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
         raise error(f"{where} = {value!r} is out of range; it must be {kind} in {low}..{high}")
-    return value
-
-
-def check_choice(where: str, value, choices, error: type[Exception] = ValueError):
-    """``value`` if it is one of ``choices``; else ``error`` listing them."""
-    if value not in choices:
-        raise error(f"{where} = {value!r} is not valid; choose one of {list(choices)}")
     return value

@@ -3,7 +3,7 @@
 A malformed file or an unknown name raises ``ScenarioError`` naming the field, the value and what is
 allowed; the CLI turns it into exit code 2 before anything is written. Defaults live in the dataclasses
 below (and in ``EngineConfig``), written once; so do the bounds of every number (``limits.LIMITS``), checked
-by the one ``check_number`` / ``check_choice`` the CLI and the pytest plugin use too.
+by the one ``check_number`` (limits.py) / ``check_choice`` (engine/choices.py) the CLI and the plugin use too.
 ``parse``/``load`` check the file itself; ``check_runnable`` (faultlab/validate.py) checks what depends
 on this machine (the device, the model package, memory) and runs before a case does.
 """
@@ -11,10 +11,11 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from .engine.choices import check_choice
 from .engine.options import ConfigError, EngineConfig
 from .faults.catalog import FAULTS, SUITES
 from .faults.injector import EVENTS, TRIGGERS, Trigger
-from .limits import LIMITS, SEED_MAX, check_choice, check_number
+from .limits import LIMITS, SEED_MAX, check_number
 
 
 class ScenarioError(ValueError):
@@ -104,7 +105,9 @@ def _coerce(section: str, f, value):
     if not isinstance(value, str):
         raise ScenarioError(f"{where} = {value!r} is not valid; it must be a string")
     valid = _CHOICES.get((section, f.name))
-    return check_choice(where, value, valid, ScenarioError) if valid else value
+    if valid:
+        check_choice(where, value, valid, ScenarioError)
+    return value
 
 
 def _section(name: str, cls, table) -> object:

@@ -6,7 +6,8 @@ flag, the value and what is allowed. Nothing here writes a file.
 import os
 from pathlib import Path
 
-from .limits import LIMITS, MAX_TOKENS, check_choice, check_number
+from .engine.choices import check_choice
+from .limits import LIMITS, MAX_TOKENS, check_number
 from .scenario import Scenario
 
 DEVICES = ("cpu", "cuda", "cuda:N")

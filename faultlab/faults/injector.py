@@ -12,7 +12,8 @@ the engine released the request, before anything else is allocated), for bugs in
 import random
 from dataclasses import dataclass
 
-from ..limits import LIMITS, check_choice, check_number
+from ..engine.choices import check_choice
+from ..limits import LIMITS, check_number
 from .catalog import Context, get_fault
 
 TRIGGERS = ("step", "event", "prob")
@@ -30,7 +31,7 @@ class Trigger:
     p: float = 0.1
 
     def __post_init__(self):
-        """The rules a scenario's [faults] trigger, step, event and p follow (faultlab.limits); ValueError."""
+        """The rules a scenario's [faults] trigger, step, event and p follow (LIMITS); ValueError."""
         check_choice("trigger mode", self.mode, TRIGGERS)
         if self.mode == "event":
             check_choice("trigger event", self.event, EVENTS)
