@@ -235,37 +235,31 @@ class PoolFollower:
             offset += seq_len - prefix_len
             self.known[row] = True
 
-    def record_decode(self, batch, out_cache_loc) -> None:
-        """After alloc_for_decode (one token per request): record the entries that got a new page."""
+    def record_decode(self, batch, out_cache_loc, stale: list[bool]) -> None:
+        """After alloc_for_decode (one token per request): record the entries that got a new page.
+
+        ``stale``: per request, its row belongs to a newer request (:meth:`stale`); SGLang wrote its slot
+        into the padding row, and nothing is recorded for it in the row it no longer owns.
+        """
         ps = self.page_size
         pos = batch.seq_lens.long()  # the position being written (seq_lens is incremented afterwards)
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
         # never refresh it from the table (that would launder a swapped or freed entry). One launch, no
         # sync (kvguard.kernels.record).
         fresh = self._fresh if self._fresh is not None and self._fresh.numel() else None
-        stale = self.stale(batch)
         skip = None
         if any(stale):
-            # Rare: a request decoding on a row that now belongs to another request. Its new page is its
-            # own (given back when it is aborted) and must not overwrite the row owner's expectations.
-            table = self.req_to_token_pool.req_to_token
+            # Rare: a request decoding on a row that now belongs to another request. A new page it got is
+            # its own: given back when it is aborted (at this step's verdict).
             new = (pos % ps == 0).tolist()
             k = -1
             for i, s in enumerate(stale):
                 k += new[i]
-                if not s:
-                    continue
-                row, p = int(batch.req_pool_indices[i]), int(pos[i])
-                if new[i]:
+                if s and new[i]:
                     tag = int(fresh[min(k, fresh.numel() - 1)]) if fresh is not None else \
                         int(self.tracker.current_tags(out_cache_loc[i:i + 1] // ps))
                     batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
                         (int(out_cache_loc[i]) // ps, tag))
-                # SGLang has just written this request's slot into the row's entry p, which the row's
-                # owner may map: give the owner back its entry (this request is aborted at this step).
-                owner_pages, owner_tags = self.tracker.expectation(row, p // ps, p // ps + 1)
-                if owner_tags.numel() and int(owner_tags[0]) != UNSET:
-                    table[row, p] = int(owner_pages[0]) * ps + p % ps
             skip = self.to_device(stale, torch.bool)
         # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
         self.tracker.record_decode(batch.req_pool_indices, pos, out_cache_loc, fresh=fresh, skip=skip)

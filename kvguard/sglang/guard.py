@@ -23,6 +23,7 @@ log = logging.getLogger("kvguard.sglang")
 
 ABORT_MESSAGE = "kvguard: KV page mapping broken"
 SCRATCH_SLOT = 0  # slot 0 (page 0) is SGLang's padding slot: never allocated, CUDA-graph padding writes it
+PADDING_ROW = 0  # req_to_token row 0 is SGLang's padding row: never given to a request (free rows start at 1)
 
 
 @dataclass

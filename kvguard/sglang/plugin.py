@@ -10,7 +10,9 @@ target                                                             type    what 
 =================================================================  ======  ==================================
 ``mem_cache.kv_cache_builder.build_kv_cache``                      AFTER   install on that pool set, warm up
 ``mem_cache.allocation.alloc_for_extend``                          AROUND  record each request's pages
-``mem_cache.allocation.alloc_for_decode``                          AFTER   record decode growth pages
+``mem_cache.allocation.alloc_for_decode``                          AROUND  record decode growth pages; a
+                                                                           stale request writes the padding
+                                                                           row, never its old row
 ``mem_cache.common.release_kv_cache``                              AROUND  an aborted request frees only
                                                                            the pages it legitimately holds
 ``managers.schedule_batch.ScheduleBatch.prepare_for_extend``       AFTER   check the extend batch, guard
@@ -43,7 +45,7 @@ import torch
 
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
-from .guard import SGLangGuard
+from .guard import PADDING_ROW, SGLangGuard
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -115,7 +117,7 @@ def register(env: Mapping[str, str] | None = None) -> bool:
     for name, fn, kind in (
         ("build_kv_cache", _after_build_kv_cache, after),
         ("alloc_for_extend", _around_alloc_for_extend, around),
-        ("alloc_for_decode", _after_alloc_for_decode, after),
+        ("alloc_for_decode", _around_alloc_for_decode, around),
         ("release_kv_cache", _around_release_kv_cache, around),
         ("prepare_for_extend", _after_prepare_for_extend, after),
         ("prepare_for_decode", _after_prepare_for_decode, after),
@@ -231,16 +233,32 @@ def _around_alloc_for_extend(original, batch, *args, **kwargs):
     return result
 
 
-def _after_alloc_for_decode(out_cache_loc, batch, token_per_req=1, *args, **kwargs):
+def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     guard = _guard_of_batch(batch)
     if guard is None:
-        return None
+        return original(batch, token_per_req, *args, **kwargs)
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
+        out_cache_loc = original(batch, token_per_req, *args, **kwargs)
         guard.warn_once("decode_shape", "kvguard: multi-token / encoder-decoder decode is not followed")
         guard.known[batch.req_pool_indices_cpu.long()] = False
-        return None
-    guard.record_decode(batch, out_cache_loc)
-    return None
+        return out_cache_loc
+    stale = guard.stale(batch)
+    if not any(stale):
+        out_cache_loc = original(batch, token_per_req, *args, **kwargs)
+    else:
+        # NOTE: SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
+        # row belongs to a newer request now, whose forward (possibly still in flight, overlap scheduler)
+        # reads that row: the stale request's slot must never land there. For this one call its row index
+        # is SGLang's padding row (a new tensor: the in-flight batch keeps its own); it is aborted at this
+        # step's verdict and its write slot goes to the padding slot.
+        rows = batch.req_pool_indices
+        batch.req_pool_indices = torch.where(guard.to_device(stale, torch.bool), PADDING_ROW, rows)
+        try:
+            out_cache_loc = original(batch, token_per_req, *args, **kwargs)
+        finally:
+            batch.req_pool_indices = rows
+    guard.record_decode(batch, out_cache_loc, stale)
+    return out_cache_loc
 
 
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):

@@ -328,8 +328,13 @@ def test_stale_row_abort_gives_back_its_pages_and_tree_lock(make_rig):
     newcomer = rig.prefill(24)
     assert newcomer.reqs[0].kv.req_pool_idx == victim.kv.req_pool_idx
     batch = rig.to_decode(batch, newcomer)
+    owner_row, owner_len = rig.row(newcomer.reqs[0]).clone(), len(newcomer.reqs[0].origin_input_ids)
     rig.decode(batch)
     assert rig.verdict(batch) == {victim.rid: 1, other.rid: 0, newcomer.reqs[0].rid: 0}
+    # SGLang wrote only the owner's own new slot into the row: the stale request's write went elsewhere
+    # (the owner's forward, in flight under the overlap scheduler, reads this row)
+    changed = (rig.row(newcomer.reqs[0]) != owner_row).nonzero().flatten().tolist()
+    assert changed == [owner_len]
     newcomer_row = rig.row(newcomer.reqs[0]).clone()
     _abort_flagged(rig, batch)
     assert torch.equal(rig.row(newcomer.reqs[0]), newcomer_row)  # the newcomer's row is untouched
