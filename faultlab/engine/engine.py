@@ -235,7 +235,7 @@ class Engine:
         check = self._validate(block, rows, [n_total], [request], positions_read=[len(request.prompt)])
         slots = self._write_slots(block, torch.zeros_like(positions), positions)
         slots = self._emit_writes([request] * len(positions), positions, slots)
-        ctx = StepContext(positions, slots, block, rows, self._step_ride(check, graphed=False), start)
+        ctx = StepContext(positions, slots, block, rows, ride=self._step_ride(check, graphed=False), start=start)
         self.runner.refresh_sink(request.prompt, request.n_shared, ctx)
         logits = self.runner.prefill(torch.tensor(request.prompt[start:], device=self.device), ctx)
         self._finish_step([request], logits, check, events)
