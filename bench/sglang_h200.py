@@ -336,6 +336,7 @@ def fault_engine(spec: dict, out_path: str) -> int:
     else:
         kw.update(attention_backend="triton", mem_fraction_static=float(spec.get("mem_fraction", 0.5)),
                   cuda_graph_max_bs_decode=16, disable_prefill_cuda_graph=True)
+    kw.update(spec.get("overrides") or {})  # a diagnostic run's engine settings (--overrides)
     engine = sglang.Engine(**kw)
     result.update(started=True, startup_s=time.time() - t, engine_kwargs=kw)
     save()
@@ -451,6 +452,7 @@ def cmd_faults(a) -> None:
         spec = {"page_size": g["page_size"], "episodes": g["episodes"], "env": env, "tp": a.tp,
                 "workdir": os.path.join("/tmp", name), "cpu": a.cpu, "mem_fraction": a.fault_mem_fraction,
                 "kv_dtype": a.kv_dtype or ("auto" if a.cpu else "fp8_e4m3"), "timeout": 60,
+                "overrides": json.loads(a.overrides),
                 # head_dim 64: SGLang's Triton attention needs K >= 32 in its dots (the 16 of
                 # faultlab's default tiny Llama fails to compile on the GPU); BF16 as in serving
                 "model": {} if a.cpu else {"hidden_size": 256, "intermediate_size": 512, "torch_dtype": "bfloat16"}}
@@ -861,6 +863,7 @@ def main(argv=None) -> int:
     p.add_argument("--fault-rank", type=int, default=None, help="TP: inject on this rank only")
     p.add_argument("--fault-mem-fraction", type=float, default=0.5)
     p.add_argument("--split-killers", action="store_true")
+    p.add_argument("--overrides", default="{}", help="JSON: sglang.Engine settings over the fault engines' own")
     p.add_argument("--spread-gpus", type=int, default=1, help="tp 1: engine i on GPU i %% N")
     p.add_argument("--budget", type=float, default=0)
     p.add_argument("--name", default="faults.json")
