@@ -747,29 +747,48 @@ def tp2_summary(raw: str) -> dict:
 
 def cmd_report(a) -> None:
     def load(name):
-        path = os.path.join(a.raw, name)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
+        for folder in (a.raw, a.raw_before):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    return json.load(f)
+        return None
 
     over, faults, extras, int4 = (load("overhead_h200.json"), load("faults_h200.json"), load("extras_h200.json"),
                                   load("extras_int4.json"))
-    out = {"command": "; ".join(x["command"] for x in (over, faults, extras, int4) if x),
+    repeat, stale = load("overhead_repeat.json"), load("faults_stale.json")
+    weights = {lab: load(f"weights_{lab}.json") for lab in ("int4", "bf16", "eager")}
+    sources = [x for x in (over, repeat, faults, stale, extras, int4, *weights.values()) if x]
+    out = {"command": "; ".join(x["command"] for x in sources),
            "sglang": (over or {}).get("environment", {}).get("sglang"), "environment": (over or {}).get("environment"),
            "engine_kwargs": (over or {}).get("engine_kwargs"), "rows": [], "faults": []}
+
+    def overhead_rows(run, label):
+        return [{k: r[k] for k in ("concurrency", "page_size", "input_len", "output_len")} | {"run": label}
+                | {k: r[k] for k in r if k.endswith("_ratio") or k.endswith("_range")
+                   or k.endswith("_off") or k.endswith("_check") or k.startswith("n_")} for r in run["rows"]]
+
     if over:
-        for r in over["rows"]:
-            out["rows"].append({k: r[k] for k in ("concurrency", "page_size", "input_len", "output_len")}
-                               | {k: r[k] for k in r if k.endswith("_ratio") or k.endswith("_range")
-                                  or k.endswith("_off") or k.endswith("_check") or k.startswith("n_")})
+        rows = overhead_rows(over, "main")
+        rows += overhead_rows(repeat, "repeat") if repeat else []
+        # per concurrency, the run with the most A/B pairs is the row; the others are kept as repeats
+        best = {}
+        for r in rows:
+            if r["concurrency"] not in best or r["n_off"] > best[r["concurrency"]]["n_off"]:
+                best[r["concurrency"]] = r
+        out["rows"] = [best[c] for c in sorted(best)]
+        out["repeat_rows"] = [r for r in rows if r is not best[r["concurrency"]]]
         out["host_timing"] = over.get("host_timing")
+        if repeat:
+            out["host_timing_repeat"] = repeat.get("host_timing")
         out["first_requests_fresh_machine"] = {m: {k: v["wall_s"] for k, v in d.items()}
                                                for m, d in (over.get("first_requests") or {}).items()}
     if faults:
         out["faults"] = fault_table(faults)
         out["fault_engines"] = [{k: e[k] for k in ("name", "mode", "page_size", "rc", "started", "planned", "completed")}
                                 for e in faults["engines"]]
+    if stale:
+        out["faults_stale_row_repeat"] = fault_table(stale)
     if extras:
         out["kv_dtypes"] = {k: {x: v.get(x) for x in ("max_total_num_tokens", "requests_fit_at_context",
                                                        "peak_concurrency", "peak_decode_tok_s", "peak_itl_p50_ms",
@@ -780,10 +799,18 @@ def cmd_report(a) -> None:
                                                 | {"ttft_first": d["first"]["ttft_p99"], "ttft_second": d["second"]["ttft_p99"],
                                                    "start_s": d.get("start_s")}) if isinstance(d, dict) and "first" in d else d
                                             for m, d in fr.items()}
-    if int4:
-        out["weights"] = {k: {x: v.get(x) for x in ("decode_tok_s", "itl_p50_ms", "error", "skipped")}
-                          for k, v in (int4.get("weights") or {}).items()}
-    tp2_dir = os.path.join(a.raw, "tp2")
+    keep = ("decode_tok_s", "itl_p50_ms", "cuda_graphs", "error", "skipped")
+    for run in [int4] + [weights["int4"], weights["bf16"]]:
+        for k, v in ((run or {}).get("weights") or {}).items():
+            if not v.get("skipped"):
+                out.setdefault("weights", {})[k] = {x: v.get(x) for x in keep} | {"start_s": (v.get("engine") or {}).get("start_s")}
+    for k, v in ((weights["eager"] or {}).get("weights") or {}).items():
+        if not v.get("skipped"):
+            out.setdefault("weights_no_cuda_graphs", {})[k] = {x: v.get(x) for x in keep}
+    w = out.get("weights", {})
+    if all(w.get(k, {}).get("decode_tok_s") for k in ("int4_gptq", "bf16")):
+        out["int4_vs_bf16_single_stream_decode"] = w["int4_gptq"]["decode_tok_s"] / w["bf16"]["decode_tok_s"]
+    tp2_dir = os.path.join(a.raw_before, "tp2")
     if os.path.isdir(tp2_dir):
         tp2 = tp2_summary(tp2_dir)
         with open(os.path.join(a.results, "sglang_h200_tp2.json"), "w") as f:
@@ -888,7 +915,9 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="extras.json")
     p.set_defaults(func=cmd_extras)
     p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
-    p.add_argument("--raw", default=os.path.join(RESULTS, "sglang_h200_raw"))
+    p.add_argument("--raw", default=os.path.join(RESULTS, "sglang_h200_raw", "dec01"))
+    p.add_argument("--raw-before", default=os.path.join(RESULTS, "sglang_h200_raw", "nov30"),
+                   help="earlier runs whose parts this run did not repeat (KV dtypes, first requests, TP=2)")
     p.add_argument("--results", default=RESULTS)
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("fault-engine", help=argparse.SUPPRESS)
