@@ -23,7 +23,7 @@ from faultlab.engine.engine import Engine, EngineConfig
 from faultlab.engine.config import get_preset
 from faultlab.engine.kvcache import token_bytes
 from faultlab.engine.requests import Request
-from faultlab.gpubench import pct
+from faultlab.gpubench_timing import pct
 
 
 def make_engine(args, batch: int, graphs: bool) -> Engine:

@@ -27,7 +27,7 @@ import torch
 from faultlab.chaos import checking_tracker
 from faultlab.engine.kvcache import PagedKVCache, token_bytes
 from faultlab.gpubench_step import CheckOnly, DecodeState, bench_kernel_alone, bench_step, build, weight_bytes
-from faultlab.gpubench_timing import copy_bandwidth, pct, timed  # noqa: F401  (pct: bench/engine_graphs.py)
+from faultlab.gpubench_timing import copy_bandwidth, timed
 
 
 # -- sections --------------------------------------------------------------------------------------
