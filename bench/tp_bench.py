@@ -44,6 +44,7 @@ from faultlab.engine.tp import TPLlamaModel
 from faultlab.engine.weights import random_weights
 from faultlab.gpubench_step import DecodeState
 from faultlab.gpubench_timing import capture, interleaved, pct
+from faultlab.tp_run import DIST_BACKENDS
 from kvguard import TrackerConfig
 from kvguard.distributed import RankTracker, combine_verdict
 
@@ -277,7 +278,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--pairs", type=int, default=None, help="replays per variant (60; dry run 10)")
     p.add_argument("--reps", type=int, default=None, help="eager all-reduce calls per variant (200; dry run 100)")
-    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
+    p.add_argument("--dist-backend", default="auto", choices=DIST_BACKENDS,
                    help="auto: nccl when every rank has its own GPU, else gloo (eager, no graphs)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                    help="decode-step variants, replayed interleaved; the first is the baseline (noop)")

@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from faultlab.engine.choices import check_choice  # noqa: E402
 from faultlab.engine.factory import make_engine  # noqa: E402
+from faultlab.engine.options import KV_DTYPES, WEIGHT_DTYPES  # noqa: E402
 from faultlab.tp_rank import RunSpec, init_rank, make_arrivals, rank_engine, rank_main, worker  # noqa: E402
 
 __all__ = ["RunSpec", "free_port", "judge", "launch", "main", "resolve_backend"]
@@ -182,9 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fault", default="rank_divergent_entry", help="a fault name, or 'none'")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--kv-dtype", default="fp32", choices=("fp32", "bf16", "fp8"))
-    p.add_argument("--weight-dtype", default="int4", choices=("int4", "bf16", "fp32"))
-    p.add_argument("--model", default=RunSpec().engine.model,
+    base = RunSpec().engine
+    p.add_argument("--kv-dtype", default=base.kv_dtype, choices=tuple(KV_DTYPES))
+    p.add_argument("--weight-dtype", default=base.weight_dtype, choices=WEIGHT_DTYPES)
+    p.add_argument("--model", default=base.model,
                    help="a random-weight preset of faultlab/engine/config.py (tiny, llama3-8b)")
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="cuda: rank r on cuda:(r %% device_count), Triton kernels, bf16 activations")
