@@ -46,7 +46,7 @@ from faultlab.gpubench_step import DecodeState
 from faultlab.gpubench_timing import capture, interleaved, pct
 from faultlab.tp_run import DIST_BACKENDS
 from kvguard import TrackerConfig
-from kvguard.distributed import RankTracker, combine_verdict
+from kvguard.distributed import RankTracker, combine_verdict, make_rank_tracker
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ VARIANTS = ("noop", "noop2", "check_local", "check", "check_piggyback")
 
 def rank_tracker(state: DecodeState, dev, combine: bool, piggyback: bool = False) -> RankTracker:
     """A ``RankTracker`` holding the same tags and expected rows as ``state.tracker``."""
-    t = RankTracker(TrackerConfig(mode="check", log_violations=False), combine=combine, piggyback=piggyback)
+    t = make_rank_tracker(TrackerConfig(mode="check", log_violations=False), combine=combine, piggyback=piggyback)
     t.attach(num_pages=state.batch * state.width + 1, num_rows=state.batch, max_entries=state.width, device=dev,
              page_size=state.ps)
     flat = state.table.flatten().long()
@@ -99,8 +99,7 @@ def rank_tracker(state: DecodeState, dev, combine: bool, piggyback: bool = False
 
 
 def variant_tracker(name: str, state: DecodeState, dev):
-    """The tracker of variant ``name``: the no-op one, or a RankTracker (kvguard.make_tracker builds no
-    rank tracker)."""
+    """The tracker of variant ``name``: the no-op one, or a RankTracker (kvguard.distributed.make_rank_tracker)."""
     if name.startswith("noop"):
         return checking_tracker(on=False)
     return rank_tracker(state, dev, combine=name != "check_local", piggyback=name == "check_piggyback")

@@ -141,7 +141,7 @@ def make_arrivals(spec: RunSpec, seed: int):
 def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
     """One TP case on this rank: aborts, this rank's oracle victims, outputs, injections."""
     from kvguard import TrackerConfig
-    from kvguard.distributed import RankTracker
+    from kvguard.distributed import make_rank_tracker
     from prometheus_client import CollectorRegistry
 
     from faultlab.faults.injector import Injector, Trigger
@@ -152,8 +152,8 @@ def run_case(spec: RunSpec, seed: int, fault: str | None, group=None) -> dict:
         trigger = Trigger(mode="step", step=random.Random(seed ^ 0x5EED).randint(*spec.step_range))
         injector = Injector(fault, trigger, 1, seed)
         observers.append(injector)
-    tracker = RankTracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry(), group=group,
-                          combine=spec.combine, piggyback=spec.piggyback)
+    tracker = make_rank_tracker(TrackerConfig(mode="check", log_violations=False), CollectorRegistry(),
+                                group=group, combine=spec.combine, piggyback=spec.piggyback)
     engine = make_engine(rank_engine(spec, dist.get_rank(group)), tracker=tracker, observers=[*observers, oracle],
                          tp=True, group=group, verify_schedule=spec.verify_schedule)
     arrivals = make_arrivals(spec, seed)

@@ -6,7 +6,8 @@ differ; a rank that aborted a request alone would then run a different batch fro
 next collective would pair the wrong tensors (or hang). ``combine_verdict`` makes the per-request
 verdict the elementwise MAX over ranks with one small all-reduce, so every rank aborts exactly the
 same requests. ``RankTracker`` is a ``TagTracker`` that does this inside ``validate`` (no host sync:
-the all-reduce is one more launch in the step, CUDA-graph capturable on NCCL).
+the all-reduce is one more launch in the step, CUDA-graph capturable on NCCL); ``make_rank_tracker``
+builds one the way ``kvguard.make_tracker`` builds the single-process tracker.
 
 Piggyback (``RankTracker(piggyback=True)``): instead of its own all-reduce, the verdict rides on one
 the step already does. ``validate`` then returns a check whose ``verdict`` is not combined yet and
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .tracker import Check, TagTracker
+from .tracker import Check, TagTracker, make_tracker
 from .violations import KVGuardViolation, Violation, log_violation
 
 PEER_RANK = "peer_rank"  # reason of a violation found by another rank only
@@ -169,3 +170,10 @@ class RankTracker(TagTracker):
         """
         return Violation(request_id=request_id, row=int(check.rows[b]), logical_position=-1, page=-1,
                          expected_tag=-1, found_tag=None, reason=PEER_RANK, bad_entries=bad)
+
+
+def make_rank_tracker(config=None, registry=None, *, group=None, combine: bool = True, piggyback: bool = False):
+    """``kvguard.make_tracker`` for one TP rank: the ``NoopTracker`` in mode off (on every rank, as every rank
+    reads the same settings), else a ``RankTracker`` combining its verdict over ``group`` (None: the default
+    process group)."""
+    return make_tracker(config, registry, checking=RankTracker, group=group, combine=combine, piggyback=piggyback)

@@ -350,9 +350,14 @@ class TagTracker(NoopTracker):
         )
 
 
-def make_tracker(config: TrackerConfig | None = None, registry: CollectorRegistry | None = None):
-    """The tracker a deployment asked for: ``config`` or, if None, the ``KVGUARD_*`` environment."""
+def make_tracker(config: TrackerConfig | None = None, registry: CollectorRegistry | None = None, *,
+                 checking: type[TagTracker] = TagTracker, **options):
+    """The tracker a deployment asked for: ``config`` or, if None, the ``KVGUARD_*`` environment.
+
+    Mode off gives the ``NoopTracker``; mode check a ``checking(config, registry, **options)`` (a
+    ``TagTracker``; one TP rank's ``RankTracker`` comes from ``kvguard.distributed.make_rank_tracker``).
+    """
     config = config or TrackerConfig.from_env()
     if config.mode == "off":
         return NoopTracker()
-    return TagTracker(config, registry)
+    return checking(config, registry, **options)

@@ -582,3 +582,21 @@ def test_warm_up_compiles_without_side_effects():
     tracker.warm_up(table, page_div=4, per_token=True)
     assert torch.equal(tracker.tags.tags, tags) and torch.equal(tracker.expected, expected)
     assert torch.equal(table, saved) and tracker.metrics.checks._value.get() == 0
+
+
+# -- make_rank_tracker: make_tracker for one TP rank ---------------------------------------------------------
+def test_make_rank_tracker(clean_env, registry):
+    from kvguard.distributed import RankTracker, make_rank_tracker
+
+    assert type(make_rank_tracker(TrackerConfig(mode="off"), registry, piggyback=True)) is NoopTracker
+    assert type(make_rank_tracker(registry=registry)) is NoopTracker  # the environment's default: off
+    clean_env.setenv("KVGUARD_MODE", "check")
+    clean_env.setenv("KVGUARD_BACKEND", "torch")
+    tracker = make_rank_tracker(registry=CollectorRegistry(), combine=False, piggyback=True)
+    assert type(tracker) is RankTracker and tracker.config.backend == "torch"
+    assert (tracker.group, tracker.combine, tracker.piggyback) == (None, False, True)
+    group = object()  # only stored: the all-reduce happens in validate
+    tracker = make_rank_tracker(TrackerConfig(mode="check"), registry, group=group)
+    assert tracker.group is group and tracker.combine and not tracker.piggyback
+    # a checking tracker of another class through make_tracker's one off/check decision
+    assert type(make_tracker(TrackerConfig(mode="check"), CollectorRegistry(), checking=RankTracker)) is RankTracker
