@@ -95,11 +95,8 @@ class PagedKVCache:
                        [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)])
         self.k, self.v = _checked_buffers(buffers, n_layers, shape, self.torch_dtype)
         self._fill_garbage()
-        fp8 = dtype == "fp8"
         self.rotate_k = bool(rotate_k)
         self.k_rotation = hadamard(head_dim, self.device) if self.rotate_k else None  # [D, D]
-        self._k_tables = [fp8_table(x, self.device) if fp8 else None for x in self.k_scale]
-        self._v_tables = [fp8_table(x, self.device) if fp8 else None for x in self.v_scale]
         self.residual = residual
         self.k_res: list[torch.Tensor] = []
         self.v_res: list[torch.Tensor] = []
@@ -107,10 +104,36 @@ class PagedKVCache:
             res_shape = (residual.num_pages, page_size, n_kv_heads, head_dim)
             self.k_res = [torch.zeros(res_shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
             self.v_res = [torch.zeros(res_shape, dtype=self.torch_dtype, device=self.device) for _ in range(n_layers)]
-            self._k_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.k_scale]
-            self._v_res_tables = [fp8_table(x / RESIDUAL_SCALE, self.device) for x in self.v_scale]
             # the first logical page of each row eligible for the ring (KV cache state, set on admission)
             self.res_window_start = torch.zeros(residual.rows + 1, dtype=torch.long, device=self.device)
+        # FP8 decode tables (torch backend) of each layer's scales: built by _scale_tables
+        self._k_tables: list[torch.Tensor | None] = [None] * n_layers
+        self._v_tables: list[torch.Tensor | None] = [None] * n_layers
+        self._k_res_tables: list[torch.Tensor | None] = [None] * n_layers
+        self._v_res_tables: list[torch.Tensor | None] = [None] * n_layers
+        for layer in range(n_layers):
+            self._scale_tables(layer)
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """`layer`'s (K, V) scales (FP8 stores x / scale; BF16/FP32 caches ignore them)."""
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Replace `layer`'s (K, V) scales: every later write and read of the layer uses them, pages
+        written before included (what a pool that lost its FP8 scales does)."""
+        k_scale, v_scale = _per_layer(k_scale, 1, "k_scale")[0], _per_layer(v_scale, 1, "v_scale")[0]
+        self.k_scale[layer], self.v_scale[layer] = k_scale, v_scale
+        self._scale_tables(layer)
+
+    def _scale_tables(self, layer: int) -> None:
+        """The FP8 decode tables of `layer`'s scales (and of its residual's, if the cache keeps one)."""
+        if self.dtype != "fp8":
+            return
+        k, v = self.scales(layer)
+        self._k_tables[layer], self._v_tables[layer] = fp8_table(k, self.device), fp8_table(v, self.device)
+        if self.residual is not None:
+            self._k_res_tables[layer] = fp8_table(k / RESIDUAL_SCALE, self.device)
+            self._v_res_tables[layer] = fp8_table(v / RESIDUAL_SCALE, self.device)
 
     def _fill_garbage(self) -> None:
         """Seeded noise in page 0 and the guard pages: reading them visibly corrupts attention."""

@@ -210,16 +210,12 @@ class Fp8ScalesLostOnWake(RealBug):
             "per-layer scales are replaced by garbage mid-run")
 
     def apply(self, engine, rng, ctx):
-        from ..engine.kvcache import fp8_table
-
         kv = engine.kv
         if ctx.kind != "decode" or kv.dtype != "fp8":
             return None
         garbage = 10.0 ** rng.choice((-3, 3))
         for layer in range(kv.n_layers):
-            kv.k_scale[layer] = kv.k_scale[layer] * garbage
-            kv.v_scale[layer] = kv.v_scale[layer] * garbage
-            kv._k_tables[layer] = fp8_table(kv.k_scale[layer], kv.device)
-            kv._v_tables[layer] = fp8_table(kv.v_scale[layer], kv.device)
+            k_scale, v_scale = kv.scales(layer)
+            kv.set_scales(layer, k_scale * garbage, v_scale * garbage)
         engine.emit("on_kv_scales_lost", step=engine.step_id)
         return {"scale_factor": garbage}

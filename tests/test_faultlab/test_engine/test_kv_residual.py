@@ -93,6 +93,37 @@ def test_residual_brings_gathered_and_attended_kv_near_bf16(backend):
     assert _rel(with_res[0], exact) < _rel(plain[0], exact) / 2
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("res", [False, True], ids=["plain", "residual"])
+def test_set_scales_rescales_every_later_read(backend, res):
+    """PagedKVCache.set_scales (the public hook of the fp8_scales_lost_on_wake fault): pages written
+    before are read with the new scales, by gather and decode attention, residual included; other
+    layers keep theirs."""
+    ps, n, d = 16, 40, 32
+    kv = PagedKVCache(2, 4, ps, 2, d, "fp8", backend=backend, k_scale=0.5, v_scale=2.0,
+                      residual=ResidualLayout.of(1, ps, 16, 32) if res else None)
+    k, v = _random_kv(n)
+    page_row = torch.arange(1, 4, dtype=torch.int32)
+    pos = torch.arange(n)
+    slots = page_row[pos // ps].long() * ps + pos % ps
+    ctx = StepContext.for_prefill(0, slots, page_row, row=0)
+    kv.reset_residual(0)
+    kv.store(1, k, v, slots, kv.residual_slots(ctx))
+    q = torch.randn(1, 4, d, generator=torch.Generator().manual_seed(2))
+    block, seq = page_row[None], torch.tensor([n], dtype=torch.int32)
+    plan = kv.decode_plan(StepContext.for_decode(pos[-1:], slots[-1:], block, torch.zeros(1, dtype=torch.long)))
+    k0, v0 = kv.gather(1, page_row, n, ctx)
+    out0 = kv.decode_attention(1, q, block, seq, d ** -0.5, plan)
+    kv.set_scales(1, 0.5, 2000.0)
+    assert kv.scales(1) == (0.5, 2000.0) and kv.scales(0) == (0.5, 2.0)
+    k1, v1 = kv.gather(1, page_row, n, ctx)
+    assert torch.equal(k1, k0) and _rel(v1, v0 * 1000) < 1e-6
+    assert _rel(kv.decode_attention(1, q, block, seq, d ** -0.5, plan), out0 * 1000) < 1e-5
+    with pytest.raises(ValueError, match="v_scale"):
+        kv.set_scales(1, 1.0, -1.0)
+    assert kv.scales(1) == (0.5, 2000.0)
+
+
 def test_cache_without_rows_fails_loudly():
     kv = PagedKVCache(1, 4, 16, 2, 32, "fp8", residual=ResidualLayout.of(1, 16))
     k, v = _random_kv(3)
