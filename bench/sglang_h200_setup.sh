@@ -1,7 +1,9 @@
 # Source this on the GPU machine, from the folder holding the project tree to run (see
-# bench/sglang_h200_snapshot.sh), before `python3 bench/sglang_h200.py ...`. It installs the offline
+# bench/sglang_h200_snapshot.sh), before `python3 -m faultlab.sglang_gpu ...`. It installs the offline
 # SGLang 0.5.23 bundle (../shared/tools/sglang-h200/build.sh; the folder is $SGL_BUNDLE, default .sgl)
-# once per machine, and sets the variables SGLang needs there (../shared/reference/sglang-on-h200.md).
+# once per machine, sets the variables SGLang needs there (../shared/reference/sglang-on-h200.md), and
+# puts on PYTHONPATH the project and the folder where the harness declares SGLang's plugin entry points
+# (faultlab.sglang_gpu.common.EP_DIR: it must be on sys.path from the start of every process).
 SGL_BUNDLE=${SGL_BUNDLE:-.sgl}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
@@ -12,4 +14,5 @@ if [ ! -d $S/sglang ]; then
   # Llama's MLP imports the CuTe-DSL dual GEMM (cutlass, not in the bundle) on CUDA: turn that optional kernel off.
   sed -i 's/        if not is_cuda():/        if True:  # no cutlass-dsl here/' $S/sglang/srt/layers/dual_gemm.py
 fi
-export PYTHONPATH=$PWD:$S${PYTHONPATH:+:$PYTHONPATH}
+EP=$(PYTHONPATH=$PWD python3 -c 'from faultlab.sglang_gpu.common import EP_DIR; print(EP_DIR)') || return 1
+export PYTHONPATH=$PWD:$EP:$S${PYTHONPATH:+:$PYTHONPATH}

@@ -2,7 +2,7 @@
 # One call on the 2-GPU (or, with TP=4, the 4-GPU) machine (run from .snap after sourcing bench/sglang_h200_setup.sh): the
 # single-GPU live-fault run, TP=2 fault runs (rank-local and all-rank) at the same time, then TP=2
 # overhead (c=8, c=64), then INT4 vs BF16 weights if time is left. Logs: $OUT/run.log.
-B="python3 bench/sglang_h200.py"
+B="python3 -m faultlab.sglang_gpu"
 TP=${TP:-2}   # TP=4 on the 4-GPU machine
 L=$OUT/run.log
 nvidia-smi -L >> $L

@@ -1,27 +1,22 @@
-"""The host-side logic of bench/sglang_h200.py (no GPU, no SGLang engine): the A/B statistics, the fault
-episode judge, the hook profiler's accounting, the plugin entry points it declares, and the TP summary."""
+"""The host-side logic of the SGLang GPU harness (faultlab.sglang_gpu; no GPU, no SGLang engine): the A/B
+statistics, the fault episode judge, the hook profiler's accounting, the plugin entry points it declares,
+the TP summary, the report from the committed raw files, and the re-execution that puts the entry points'
+folder on PYTHONPATH (never an edit of sys.path)."""
+import ast
 import importlib.metadata
-import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from faultlab.sglang_gpu import cli, common, faults, probes, report, workers, workload
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lib = _load("sglang_h200_lib")
-h200 = _load("sglang_h200")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(mode, throughput, itl=0.01, ttft=0.5):
@@ -31,7 +26,7 @@ def _run(mode, throughput, itl=0.01, ttft=0.5):
 def test_compare_ratios_and_aa_split():
     runs = [_run("off", 100.0), _run("check", 99.0), _run("check", 98.0), _run("off", 104.0),
             _run("off", 102.0), _run("check", 97.0)]
-    out = lib.compare(runs)
+    out = workload.compare(runs)
     assert out["n_off"] == 3 and out["n_check"] == 3
     assert out["throughput_ratio"] == pytest.approx(98.0 / 102.0)
     # A/A: off runs 1, 3, ... (104) over off runs 0, 2, ... (median of 100 and 102)
@@ -43,7 +38,7 @@ def test_compare_ratios_and_aa_split():
 def test_summarize_counts_aborts_and_tokens():
     recs = [{"gaps": [0.01, 0.03], "ttft": 0.2, "tokens": 3, "error": None, "finish": {"type": "length"}},
             {"gaps": [0.02], "ttft": 0.4, "tokens": 2, "error": None, "finish": {"type": "abort"}}]
-    s = lib.summarize(recs, wall=1.0)
+    s = workload.summarize(recs, wall=1.0)
     assert s["output_tokens"] == 5 and s["throughput"] == 5.0
     assert s["errors"] == 1
     assert s["itl_p50"] == pytest.approx(0.02)
@@ -60,14 +55,14 @@ def test_judge_counts_victims_mismatches_and_false_aborts():
     clean = _episode("clean0", None, [], [("a0", [1, 2], None), ("a1", [3, 4], None), ("b0", [5, 6], None)])
     fault = _episode("swap0", "swapped_entries", ["swap0-a0"],
                      [("a0", None, "kvguard: aborted"), ("a1", [3, 9], None), ("b0", None, "boom")])
-    rows = h200.judge({"episodes": [clean, fault]})
+    rows = faults.judge({"episodes": [clean, fault]})
     assert rows[0]["non_victim_mismatches"] == 0 and rows[0]["false_aborts"] == 0
     r = rows[1]
     assert (r["victims"], r["victims_aborted"], r["non_victim_mismatches"], r["false_aborts"]) == (1, 1, 1, 1)
 
 
 def test_profiler_charges_around_hooks_only_their_own_time(tmp_path):
-    prof = lib._Prof(str(tmp_path / "t.json"))
+    prof = probes._Prof(str(tmp_path / "t.json"))
 
     def original(x):
         time.sleep(0.03)
@@ -100,12 +95,13 @@ def test_profiler_charges_around_hooks_only_their_own_time(tmp_path):
 
 
 def test_entry_points_declared_for_sglang_are_discoverable(tmp_path):
-    eps = lib.project_plugin_entry_points(str(BENCH.parent / "pyproject.toml"))
+    eps = workers.project_plugin_entry_points(str(REPO / "pyproject.toml"))
     assert eps["kvguard"] == "kvguard.sglang:register"
-    lib.write_dist_info(str(tmp_path), "kvguard_bench", {"kvguard_bench": "sglang_h200_lib:register_bench"})
+    workers.write_dist_info(str(tmp_path), "kvguard_bench", common.PROBES_ENTRY_POINT)
     found = [ep for dist in importlib.metadata.distributions(path=[str(tmp_path)])
-             for ep in dist.entry_points if ep.group == lib.PLUGIN_GROUP]
-    assert [(ep.name, ep.value) for ep in found] == [("kvguard_bench", "sglang_h200_lib:register_bench")]
+             for ep in dist.entry_points if ep.group == workers.PLUGIN_GROUP]
+    assert [(ep.name, ep.value) for ep in found] == [("kvguard_bench", "faultlab.sglang_gpu.probes:register_bench")]
+    assert found[0].load() is probes.register_bench  # what SGLang's loader imports in each scheduler
 
 
 def test_tp_summary_checks_every_rank_aborted_exactly_the_victims(tmp_path):
@@ -120,6 +116,119 @@ def test_tp_summary_checks_every_rank_aborted_exactly_the_victims(tmp_path):
     lines("faults_tp2_rank1_check_ps16_0_aborts.jsonl", [
         {"rank": 0, "rid": "swap0-a0"}, {"rank": 0, "rid": "swap0-a1"}, {"rank": 1, "rid": "swap0-a0"},
         {"rank": 1, "rid": "swap0-a1"}, {"rank": 1, "rid": "idx0-a2"}])  # rank 0 missed idx0-a2
-    out = h200.tp2_summary(str(tmp_path))
+    out = report.tp2_summary(str(tmp_path))
     agree = {r["label"]: r["every_rank_aborted_exactly_the_victims"] for r in out["rank_agreement"]}
     assert agree == {"swap0": True, "idx0": False}
+
+
+# -- the report, the CLI, the process start ---------------------------------------------------------------
+RESULTS = REPO / "bench" / "results"
+
+
+def test_report_regenerates_the_committed_results_from_the_raw_files(tmp_path):
+    """``report`` with its defaults (raw files in bench/results/sglang_h200_raw/) rebuilds exactly the
+    committed summaries the README and docs/sglang.md quote."""
+    assert cli.main(["report", "--results", str(tmp_path)]) == 0
+    for name in ("sglang_h200.json", "sglang_h200_tp2.json"):
+        made = json.loads((tmp_path / name).read_text())
+        committed = json.loads((RESULTS / name).read_text())
+        assert made == committed, name
+    assert (tmp_path / "sglang_h200.png").stat().st_size > 10_000
+
+
+def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
+    ap = cli.build_parser()
+    over = ap.parse_args(["overhead", "--out", "x"])
+    assert (over.reps, over.input_len, over.output_len, over.page_size, over.kv_dtype, over.name) == (
+        "1:3,8:3,64:2", 8192, 1000, 16, None, "overhead.json")
+    assert common.parse_reps(over.reps) == {1: 3, 8: 3, 64: 2}
+    f = ap.parse_args(["faults", "--out", "x"])
+    assert f.classes.split(",") == ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry",
+                                    "premature_free", "double_free", "stale_row"]
+    assert (f.seeds, f.off_seeds, f.page_sizes, f.name) == (4, 2, [16, 1], "faults.json")
+    e = ap.parse_args(["extras", "--out", "x"])
+    assert (e.kv_dtypes, e.weights, e.name) == ("fp8_e4m3,bf16", "int4_gptq,bf16", "extras.json")
+    r = ap.parse_args(["report"])
+    assert Path(r.raw) == RESULTS / "sglang_h200_raw" / "dec01" and Path(r.results) == RESULTS
+    with pytest.raises(SystemExit):
+        ap.parse_args(["overhead"])  # --out is required
+
+
+SETUP = """
+import sys
+from types import SimpleNamespace
+from faultlab.sglang_gpu import common
+common.setup_env(SimpleNamespace(cpu=True, tp=1, argv={argv!r}))
+print("RETURNED", common.EP_DIR in sys.path)
+"""
+
+
+def _setup_env_in_child(tmp_path, pythonpath: list[str], **env):
+    raw = tmp_path / "raw"
+    raw.mkdir(exist_ok=True)
+    argv = ["report", "--raw", str(raw), "--raw-before", str(raw), "--results", str(tmp_path)]
+    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", common.REEXEC_ENV)}
+    child_env.update(env, PYTHONPATH=os.pathsep.join(pythonpath))
+    return subprocess.run([sys.executable, "-c", SETUP.format(argv=argv)], cwd=tmp_path, env=child_env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_missing_entry_point_folder_reexecutes_the_harness_once(tmp_path):
+    """Without the folder on PYTHONPATH at start, setup_env re-executes ``python -m faultlab.sglang_gpu``
+    with the same arguments (here: a report of empty raw folders) instead of editing sys.path."""
+    proc = _setup_env_in_child(tmp_path, [str(REPO)])
+    assert proc.returncode == 0, proc.stderr
+    assert "re-executing with PYTHONPATH=" in proc.stdout and "RETURNED" not in proc.stdout
+    made = json.loads((tmp_path / "sglang_h200.json").read_text())  # the re-executed command ran
+    assert made["rows"] == [] and made["faults"] == []
+    assert (Path(common.EP_DIR) / "kvguard_bench-0.1.0.dist-info" / "entry_points.txt").exists()
+
+
+def test_entry_point_folder_on_pythonpath_means_no_reexecution(tmp_path):
+    proc = _setup_env_in_child(tmp_path, [str(REPO), common.EP_DIR])
+    assert proc.returncode == 0, proc.stderr
+    assert "RETURNED True" in proc.stdout and "re-executing" not in proc.stdout
+    assert not (tmp_path / "sglang_h200.json").exists()
+
+
+def test_reexecution_happens_at_most_once(tmp_path):
+    proc = _setup_env_in_child(tmp_path, [str(REPO)], **{common.REEXEC_ENV: "1"})
+    assert proc.returncode != 0 and "not on sys.path after re-executing" in proc.stderr
+    assert "RETURNED" not in proc.stdout and not (tmp_path / "sglang_h200.json").exists()
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines that change sys.path (a call of one of its mutating methods, or an assignment to it)."""
+    def is_sys_path(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys")
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value)
+                and node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear")):
+            lines.append(node.lineno)
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, (ast.Assign, ast.AugAssign)) and any(
+                is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)) for t in targets):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+HARNESS_FILES = sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "faultlab" / "sglang_gpu").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", HARNESS_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_sys_path_edits_in_bench_or_the_harness(path):
+    assert _sys_path_edits(path) == [], f"{path.name} edits sys.path"
+
+
+def test_sys_path_edit_scan_sees_edits(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.path[:0] = ['z']\nok = 'x' in sys.path\n")
+    assert _sys_path_edits(probe) == [2, 3, 4]
+
+
+def test_harness_modules_stay_small():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "faultlab" / "sglang_gpu").glob("*.py")}
+    assert sizes and max(sizes.values()) < 400, sizes

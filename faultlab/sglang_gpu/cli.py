@@ -1,0 +1,103 @@
+"""kvguard in a real SGLang 0.5.23 server on the H200: overhead, first requests, KV dtypes, INT4, live faults.
+
+Run on the GPU machine (after ``source bench/sglang_h200_setup.sh``, which installs the offline SGLang
+bundle from ``.sgl/`` and puts the plugin entry points' folder on ``PYTHONPATH``):
+
+    python3 -m faultlab.sglang_gpu overhead --out $OUT    # kvguard check vs off vs off (A/A), c = 1, 8, 64
+    python3 -m faultlab.sglang_gpu extras --out $OUT      # FP8 vs BF16 KV, first requests, INT4 vs BF16 weights
+    python3 -m faultlab.sglang_gpu faults --out $OUT      # live faults (faultlab.sglang_live), kvguard on/off
+    python3 -m faultlab.sglang_gpu report                 # here: raw JSONs -> bench/results/sglang_h200*.json + png
+
+The same phases dry-run on a CPU with ``--cpu`` (tiny Llama, torch_native attention, short lengths).
+
+Engines: in-process ``sglang.Engine`` (not ``launch_server``): the same scheduler, plugin loader, pools
+and CUDA graphs as the HTTP server, without HTTP/JSON encoding in the timed path, so the figures isolate
+what kvguard adds; kvguard's abort reaches the client the same way (the Engine's stream ends with a
+``finish_reason`` of type ``abort`` and status 500, the HTTP server turns the same object into HTTP 500).
+Each engine lives in its own worker process (see :mod:`faultlab.sglang_gpu.workers` for why); the engines
+for one comparison are alive at once and the runs alternate between them (off/check in ABBA order), same
+workload and seed, so drift and warm-up hit both modes alike. kvguard is switched by ``KVGUARD_MODE`` in
+each worker's environment, read by SGLang's plugin loader in the scheduler process that engine spawns.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from faultlab.sglang_gpu.common import RESULTS, add_common
+from faultlab.sglang_gpu.extras import cmd_extras
+from faultlab.sglang_gpu.faults import ALL_CLASSES, cmd_fault_engine, cmd_faults
+from faultlab.sglang_gpu.overhead import cmd_overhead
+from faultlab.sglang_gpu.report import cmd_report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand, option and default of the harness (the results in bench/results were made with them)."""
+    ap = argparse.ArgumentParser(prog="python -m faultlab.sglang_gpu", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("overhead", help="kvguard check vs off vs off (A/A)")
+    add_common(p)
+    p.add_argument("--reps", default="1:3,8:3,64:2", help="concurrency:pairs, comma separated")
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=1000)
+    p.add_argument("--first-n", type=int, default=8, help="first batch after start: requests")
+    p.add_argument("--first-output", type=int, default=64, help="first batch after start: output tokens")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--chunked-prefill", type=int, default=None)
+    p.add_argument("--name", default="overhead.json")
+    p.add_argument("--budget", type=float, default=0, help="seconds; skip A/B pairs that would not fit")
+    p.add_argument("--est", default="1:9,8:10,64:44", help="concurrency:seconds per run, before one is measured")
+    p.set_defaults(func=cmd_overhead)
+    p = sub.add_parser("faults", help="live faults (faultlab.sglang_live), kvguard check and off")
+    add_common(p)
+    p.add_argument("--classes", default=",".join(ALL_CLASSES))
+    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--off-seeds", type=int, default=2)
+    p.add_argument("--page-sizes", default="16,1", type=lambda t: [int(x) for x in t.split(",")])
+    p.add_argument("--fault-rank", type=int, default=None, help="TP: inject on this rank only")
+    p.add_argument("--fault-mem-fraction", type=float, default=0.5)
+    p.add_argument("--split-killers", action="store_true")
+    p.add_argument("--overrides", default="{}", help="JSON: sglang.Engine settings over the fault engines' own")
+    p.add_argument("--spread-gpus", type=int, default=1, help="tp 1: engine i on GPU i %% N")
+    p.add_argument("--budget", type=float, default=0)
+    p.add_argument("--name", default="faults.json")
+    p.set_defaults(func=cmd_faults)
+    p = sub.add_parser("extras", help="FP8 vs BF16 KV, first requests (warm caches), INT4 vs BF16 weights")
+    add_common(p)
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--peak-output", type=int, default=48)
+    p.add_argument("--peak-cap", type=int, default=192)
+    p.add_argument("--kv-dtypes", default="fp8_e4m3,bf16")
+    p.add_argument("--first-n", type=int, default=8)
+    p.add_argument("--first-output", type=int, default=64)
+    p.add_argument("--single-input", type=int, default=128)
+    p.add_argument("--single-output", type=int, default=256)
+    p.add_argument("--int4-start-timeout", type=float, default=150)
+    p.add_argument("--weights", default="int4_gptq,bf16", help="which weight formats step 4 runs")
+    p.add_argument("--weight-graphs", action="store_true", help="step 4 with CUDA graphs (decode batch 1)")
+    p.add_argument("--need-kv", type=float, default=120, help="seconds one KV-dtype step needs")
+    p.add_argument("--need-first", type=float, default=100)
+    p.add_argument("--need-int4", type=float, default=60)
+    p.add_argument("--budget", type=float, default=0)
+    p.add_argument("--name", default="extras.json")
+    p.set_defaults(func=cmd_extras)
+    p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
+    p.add_argument("--raw", default=os.path.join(RESULTS, "sglang_h200_raw", "dec01"))
+    p.add_argument("--raw-before", default=os.path.join(RESULTS, "sglang_h200_raw", "nov30"),
+                   help="earlier runs whose parts this run did not repeat (KV dtypes, first requests, TP=2)")
+    p.add_argument("--results", default=RESULTS)
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("fault-engine", help=argparse.SUPPRESS)
+    add_common(p)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--result", required=True)
+    p.set_defaults(func=cmd_fault_engine)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)  # for the re-execution and the results' command
+    a.func(a)
+    return 0

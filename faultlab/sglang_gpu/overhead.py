@@ -1,0 +1,116 @@
+"""``overhead``: kvguard check vs off vs off (A/A) at the write-up's benchmark, and the first requests.
+
+Two engines alive at once (kvguard off and check, switched by ``KVGUARD_MODE`` in each worker's
+environment), the same workload and seed; the runs alternate between them in ABBA order, so drift and
+warm-up hit both modes alike. The check engine also runs the ``kvguard_bench`` profiler (kvguard's host
+time per decode iteration).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from faultlab.sglang_gpu.common import (
+    command_line,
+    dump,
+    engine_kwargs,
+    environment,
+    log,
+    model_dir,
+    parse_reps,
+    setup_env,
+    slim,
+    start_engines,
+    stop_all,
+    vocab_of,
+)
+from faultlab.sglang_gpu.probes import TIMING_ENV
+from faultlab.sglang_gpu.workload import METRICS, compare
+
+
+def cmd_overhead(a) -> None:
+    setup_env(a)
+    model = model_dir(a)
+    vocab = vocab_of(model)
+    reps = parse_reps(a.reps)
+    cmax = max(reps)
+    tokens_needed = cmax * (a.input_len + a.output_len + a.page_size)
+    max_total = a.max_total_tokens or (tokens_needed + 8 * a.page_size)
+    timing_path = os.path.join(a.out, "kvguard_host_timing.json")
+    os.makedirs(a.out, exist_ok=True)
+    kw = engine_kwargs(a, model=model, max_total_tokens=max_total, max_running=cmax, graph_bs=cmax,
+                       chunked_prefill_size=a.chunked_prefill or None)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    specs = [("off", {"KVGUARD_MODE": "off"}, kw),
+             ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path}, kw)]
+    result = {"command": command_line(a),
+              "environment": environment(), "engine_kwargs": kw, "reps": reps,
+              "input_len": a.input_len, "output_len": a.output_len, "page_size": a.page_size}
+    t_all = time.perf_counter()
+    workers = start_engines(specs, a.start_timeout)
+    try:
+        result["engines"] = {n: w.info for n, w in workers.items()}
+        # -- first requests after start: the same batch twice on each fresh engine -----------------
+        first = {}
+        fw = dict(n=a.first_n, input_len=a.input_len, output_len=a.first_output, seed=a.seed + 7, vocab=vocab)
+        for mode in (("off", "check") if a.first_n else ()):
+            r1 = workers[mode].run(tag=f"first-{mode}", **fw)
+            r2 = workers[mode].run(tag=f"second-{mode}", **fw)
+            first[mode] = {"first": slim(r1), "second": slim(r2)}
+            log(f"first batch {mode}: {r1['wall_s']:.3f} s, again {r2['wall_s']:.3f} s "
+                f"(ttft p99 {r1['ttft_p99']:.3f} / {r2['ttft_p99']:.3f} s)")
+        result["first_requests"] = first
+        # -- interleaved A/B runs ---------------------------------------------------------------------
+        rows, all_runs, skipped = [], [], []
+        est_wall = parse_reps(a.est) if a.est else {}
+        for c in sorted(reps):
+            runs = []
+            for r in range(reps[c]):
+                # a pair must fit in what is left of --budget (estimated from this concurrency's last run)
+                est = 2.2 * (runs[-1]["wall_s"] if runs else est_wall.get(c, 0.0))
+                if a.budget and time.perf_counter() - t_all + est > a.budget:
+                    skipped.append({"concurrency": c, "rep": r})
+                    log(f"c={c} rep={r}: skipped (budget {a.budget:.0f} s)")
+                    continue
+                for mode in (("off", "check") if r % 2 == 0 else ("check", "off")):
+                    res = workers[mode].run(n=c, input_len=a.input_len, output_len=a.output_len,
+                                            seed=a.seed, vocab=vocab, tag=f"c{c}-{mode}-{r}")
+                    res["mode"], res["concurrency"] = mode, c
+                    runs.append(res)
+                    log(f"c={c} rep={r} {mode:5s}: {res['throughput']:9.1f} tok/s  itl p50 "
+                        f"{1e3 * res['itl_p50']:.3f} ms p99 {1e3 * res['itl_p99']:.3f} ms  ttft p99 "
+                        f"{res['ttft_p99']:.3f} s  wall {res['wall_s']:.2f} s  errors {res['errors']}")
+            cmp = compare(runs)
+            rows.append({"concurrency": c, "page_size": a.page_size, "input_len": a.input_len,
+                         "output_len": a.output_len, **cmp})
+            all_runs += [slim(x) for x in runs]
+            log(f"c={c}: throughput x{cmp['throughput_ratio']:.4f} (A/A x{cmp['aa_throughput_ratio']:.4f}), "
+                f"itl p99 x{cmp['itl_p99_ratio']:.4f} (A/A x{cmp['aa_itl_p99_ratio']:.4f})")
+            result["rows"], result["runs"], result["skipped"] = rows, all_runs, skipped
+            dump(a, a.name, result)  # keep what is measured so far
+        # one tiny request after the last run: the profiler writes its file at an idle boundary
+        workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag="flush")
+        workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag="flush2")
+    finally:
+        stop_all(workers)
+    try:
+        with open(timing_path) as f:
+            result["host_timing"] = json.load(f)
+    except OSError as e:
+        result["host_timing"] = {"error": str(e)}
+    result["total_s"] = time.perf_counter() - t_all
+    dump(a, a.name, result)
+    print_rows(result)
+
+
+def print_rows(result: dict) -> None:
+    print("\nconcurrency | throughput ratio (A/A) | ITL p50 ratio (A/A) | ITL p99 ratio (A/A) | TTFT p99 ratio (A/A)")
+    for row in result.get("rows", []):
+        print(f"{row['concurrency']:>11} | " + " | ".join(
+            f"{row[m + '_ratio']:.4f} ({row['aa_' + m + '_ratio']:.4f})" for m in METRICS))
+    ht = result.get("host_timing") or {}
+    if ht.get("iterations"):
+        print(f"kvguard host time per decode iteration: mean {ht['kvguard_us_per_iter_mean']:.1f} us, "
+              f"p50 {ht['kvguard_us_per_iter_p50']:.1f} us, p99 {ht['kvguard_us_per_iter_p99']:.1f} us "
+              f"over {ht['iterations']} iterations (step p50 {ht['step_ms_p50']:.2f} ms)")

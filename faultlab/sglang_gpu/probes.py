@@ -1,0 +1,242 @@
+"""The ``kvguard_bench`` SGLang plugin: kvguard's host time per scheduler iteration, and TP probes.
+
+SGLang's plugin loader imports this module in every scheduler process (entry point
+``kvguard_bench = faultlab.sglang_gpu.probes:register_bench``, declared in the dist-info folder that
+:func:`faultlab.sglang_gpu.common.setup_env` writes). Each part does nothing without its environment
+variable. SGLang is imported inside the register functions only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from faultlab.sglang_gpu.workload import pct
+
+TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
+FAULT_RANK_ENV = "KVGUARD_BENCH_FAULT_RANK"  # only this TP rank runs faultlab's injector hooks
+ABORT_LOG_ENV = "KVGUARD_BENCH_ABORT_LOG"  # JSON lines: every rank's kvguard aborts (rank, rid, message)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-time profiler for kvguard's hooks (active only with TIMING_ENV)
+# ------------------------------------------------------------------------------------------------
+class _Prof:
+    def __init__(self, path: str):
+        self.path = path
+        self.active = False  # inside a timed kvguard call (nested kvguard calls are not counted twice)
+        self.acc = 0.0  # kvguard host seconds since the last decode iteration mark
+        self.per_fn: dict[str, list] = {}  # name -> [calls, seconds]
+        self.iters: list[float] = []  # kvguard host seconds per decode iteration
+        self.steps: list[float] = []  # wall seconds between decode iterations (context)
+        self.last_mark = None
+        self.total_iters = 0
+
+    def timed(self, name: str, fn, around: bool = False):
+        prof = self
+
+        def wrapper(*a, **k):
+            if prof.active:
+                return fn(*a, **k)
+            sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
+
+            def call_original(*oa, **ok):
+                prof.active = False
+                t1 = time.perf_counter()
+                try:
+                    return a[0](*oa, **ok)
+                finally:
+                    sub[0] += time.perf_counter() - t1
+                    prof.active = True
+
+            prof.active = True
+            t = time.perf_counter()
+            try:
+                if around:
+                    return fn(call_original, *a[1:], **k)
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t - sub[0]
+                prof.active = False
+                prof.acc += dt
+                rec = prof.per_fn.setdefault(name, [0, 0.0])
+                rec[0] += 1
+                rec[1] += dt
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        wrapper.__module__ = getattr(fn, "__module__", None)
+        return wrapper
+
+    def mark_iteration(self) -> None:
+        """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
+        now = time.perf_counter()
+        idle = self.last_mark is None or now - self.last_mark > 0.5
+        if not idle:
+            self.iters.append(self.acc)
+            self.steps.append(now - self.last_mark)
+        else:
+            # The engine was idle (between workloads): write the file now, where no request waits on it.
+            self.dump()
+        self.acc, self.last_mark = 0.0, now
+        self.total_iters += 1
+
+    def dump(self) -> None:
+        if not self.per_fn:
+            return  # a process where kvguard never ran (the worker, the detokenizer): leave the file alone
+        it = self.iters
+        data = {"iterations": len(it),
+                "kvguard_us_per_iter_mean": 1e6 * sum(it) / len(it) if it else None,
+                "kvguard_us_per_iter_p50": 1e6 * pct(it, 50) if it else None,
+                "kvguard_us_per_iter_p99": 1e6 * pct(it, 99) if it else None,
+                "step_ms_p50": 1e3 * pct(self.steps, 50) if self.steps else None,
+                "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * s / c, "total_s": s}
+                                             for k, (c, s) in sorted(self.per_fn.items())},
+                "pid": os.getpid()}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+_PROF: _Prof | None = None
+
+
+def register_timing() -> None:
+    """SGLang plugin (``kvguard_bench``): time kvguard's hooks and its guard's methods in this process.
+
+    Does nothing unless ``KVGUARD_BENCH_TIMING`` names an output file. Wraps (1) every hook a module of
+    ``kvguard`` registers with SGLang's HookRegistry, whichever plugin loads first, and (2) the methods of
+    kvguard's guard and tracker classes (reached from the allocator / tree / row-pool wrappers that run
+    inside SGLang's own calls). AROUND hooks are charged only their own time, not the original's. Each
+    decode iteration is marked at the ``prepare_for_decode`` hook. The timers add ~1 us per iteration.
+    """
+    global _PROF
+    path = os.environ.get(TIMING_ENV)
+    if not path or _PROF is not None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    prof = _PROF = _Prof(path)
+    import atexit
+
+    atexit.register(prof.dump)
+
+    def wrap_hook(target: str, hook, hook_type):
+        name = "hook:" + target.rsplit(".", 1)[-1]
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND))
+        if target.endswith(".prepare_for_decode"):
+            def marked(*a, **k):
+                prof.mark_iteration()
+                return timed(*a, **k)
+            marked.__module__ = timed.__module__
+            return marked
+        return timed
+
+    def is_kvguard(hook) -> bool:
+        return str(getattr(hook, "__module__", "") or "").startswith("kvguard")
+
+    for target, hooks in HookRegistry._hooks.items():
+        for i, (ht, h, src) in enumerate(hooks):
+            if is_kvguard(h):
+                hooks[i] = (ht, wrap_hook(target, h, ht), src)
+    original_register = HookRegistry.register.__func__
+
+    def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
+        if is_kvguard(hook):
+            hook = wrap_hook(target, hook, hook_type)
+        return original_register(cls, target, hook, hook_type, source=source)
+
+    HookRegistry.register = classmethod(register)
+
+    import importlib
+
+    classes = {}
+    for module, name in (("kvguard.sglang.guard", "SGLangGuard"), ("kvguard.sglang.plugin", "SGLangGuard"),
+                         ("kvguard.tracker", "TagTracker")):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if cls is not None:
+            classes[id(cls)] = cls
+    for cls in classes.values():
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod, type)):
+                setattr(cls, attr, prof.timed(f"{cls.__name__}.{attr}", value))
+    print(f"kvguard_bench: timing kvguard's hooks into {path}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# Live-fault helpers for tensor parallelism (active only with their variables)
+# ------------------------------------------------------------------------------------------------
+def _tp_rank() -> int:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def register_tp_probes() -> None:
+    """Rank-local faults and a per-rank abort log, for the TP runs (no effect without the variables).
+
+    * ``KVGUARD_BENCH_FAULT_RANK=r``: faultlab's injector hooks (module ``faultlab.sglang_live.inject``)
+      run only in the scheduler of TP rank ``r``; on the other ranks they pass straight through, so the
+      corruption is a divergence of one rank's page table from the others'.
+    * ``KVGUARD_BENCH_ABORT_LOG=path``: every call of SGLang's ``prepare_abort`` whose message comes from
+      kvguard is appended as a JSON line with the rank, so the run can show that every rank aborted the
+      same requests (only rank 0's output reaches the client).
+    """
+    fault_rank = os.environ.get(FAULT_RANK_ENV)
+    abort_log = os.environ.get(ABORT_LOG_ENV)
+    if fault_rank not in (None, ""):
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        want = int(fault_rank)
+
+        def gate(hook, hook_type):
+            def gated(*a, **k):
+                if _tp_rank() == want:
+                    return hook(*a, **k)
+                if hook_type == HookType.AROUND:
+                    return a[0](*a[1:], **k)
+                return None
+            gated.__module__ = "kvguard_bench_gate"
+            return gated
+
+        def is_injector(hook) -> bool:
+            return str(getattr(hook, "__module__", "") or "").startswith("faultlab.sglang_live")
+
+        for target, hooks in HookRegistry._hooks.items():
+            for i, (ht, h, src) in enumerate(hooks):
+                if is_injector(h) and not target.endswith("load_model") and "invariant_checker" not in target:
+                    hooks[i] = (ht, gate(h, ht), src)
+        original_register = HookRegistry.register.__func__
+
+        def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
+            if is_injector(hook) and not target.endswith("load_model") and "invariant_checker" not in target:
+                hook = gate(hook, hook_type)
+            return original_register(cls, target, hook, hook_type, source=source)
+
+        HookRegistry.register = classmethod(register)
+    if abort_log:
+        import sglang.srt.disaggregation.utils as du
+
+        original = du.prepare_abort
+
+        def prepare_abort(req, message, *a, **k):
+            if "kvguard" in str(message):
+                with open(abort_log, "a") as f:
+                    f.write(json.dumps({"rank": _tp_rank(), "pid": os.getpid(), "rid": str(req.rid),
+                                        "message": str(message)[:300], "time": time.time()}) + "\n")
+            return original(req, message, *a, **k)
+
+        du.prepare_abort = prepare_abort
+
+
+def register_bench() -> None:
+    """The ``kvguard_bench`` entry point: the profiler and the TP probes (each off without its variable)."""
+    register_timing()
+    register_tp_probes()
