@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import RESIDUAL_SINK, RESIDUAL_WINDOW, PagedKVCache, ResidualLayout
 from faultlab.engine.model import LlamaModel
 
@@ -80,7 +81,8 @@ def _window_logits(model: LlamaModel, tokens: torch.Tensor, kv_dtype: str, chunk
     head = max(head, chunk)
     starts = [0, *range(head, tokens.numel(), chunk)]
     ends = [*starts[1:], tokens.numel()]
-    out = [model.prefill(tokens[s:e], s, kv, page_row, slots[s:e], row=0) for s, e in zip(starts, ends)]
+    out = [model.forward(tokens[s:e], kv, StepContext.for_prefill(s, slots[s:e], page_row, row=0))
+           for s, e in zip(starts, ends)]
     return torch.cat(out)
 
 

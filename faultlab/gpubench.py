@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from faultlab.chaos import checking_tracker
+from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import PagedKVCache, token_bytes
 from faultlab.gpubench_step import CheckOnly, DecodeState, bench_kernel_alone, bench_step, build, weight_bytes
 from faultlab.gpubench_timing import copy_bandwidth, timed
@@ -116,7 +117,7 @@ def bench_prefill(model, args, dev, backend):
     row = torch.arange(1, -(-n // 16) + 2, dtype=torch.int32, device=dev)
     tokens = torch.randint(3, c.vocab, (n,), device=dev)
     slots = torch.arange(16, 16 + n, device=dev)
-    fn = lambda: model.prefill(tokens, 0, kv, row, slots, last_only=True)  # noqa: E731
+    fn = lambda: model.forward(tokens, kv, StepContext.for_prefill(0, slots, row), last_only=True)  # noqa: E731
     if args.dry_run:
         fn()
         return {"tokens": n, "dry_run": True}

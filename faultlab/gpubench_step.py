@@ -8,6 +8,7 @@ import torch
 
 from faultlab.chaos import checking_tracker
 from faultlab.engine.config import get_preset
+from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, token_bytes
 from faultlab.engine.model import LlamaModel
 from faultlab.engine.weights import Int4Weight, random_weights
@@ -54,8 +55,8 @@ class DecodeState:
         check = tracker.validate(block, self.rows, self.n_entries, max_entries=self.width,
                                  source=self.table, source_rows=self.rows)
         slots = block.gather(1, self.page_idx).squeeze(1).long() * self.ps + self.offs
-        rows = {} if self.kv.residual is None else {"rows": self.rows}
-        logits = model.decode(self.tokens, self.positions, self.kv, block, slots, **rows)
+        rows = None if self.kv.residual is None else self.rows
+        logits = model.forward(self.tokens, self.kv, StepContext.for_decode(self.positions, slots, block, rows))
         return logits.argmax(-1), (None if check is None else check.verdict)
 
 

@@ -1,7 +1,7 @@
 """A Llama decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, with prefill and batched decode.
 
-``LlamaModel.forward(tokens, kv, ctx)`` runs one forward described by a ``StepContext`` (context.py);
-``prefill`` / ``decode`` build that context from plain arguments. ``load_model`` builds a model by name.
+``LlamaModel.forward(tokens, kv, ctx)`` runs one forward described by a ``StepContext`` (context.py:
+``StepContext.for_prefill`` / ``for_decode``). ``load_model`` builds a model by name.
 """
 from __future__ import annotations
 
@@ -229,18 +229,3 @@ class LlamaModel:
         if ctx.is_prefill:
             return self._prefill(tokens, kv, ctx, last_only)
         return self._decode(tokens, kv, ctx)
-
-    def prefill(self, tokens: torch.Tensor, start_pos: int, kv: PagedKVCache, page_row: torch.Tensor,
-                write_slots: torch.Tensor, *, last_only: bool = False, row: int | None = None,
-                ride=None) -> torch.Tensor:
-        """``forward`` of tokens [T] at positions start_pos.. over page_row (int32 [P]), K/V stored at
-        write_slots (long [T]); ``row``: the request's row (a KV residual needs it)."""
-        ctx = StepContext.for_prefill(start_pos, write_slots, page_row, row, ride)
-        return self.forward(tokens, kv, ctx, last_only=last_only)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache, block_table: torch.Tensor,
-               write_slots: torch.Tensor, rows: torch.Tensor | None = None, *, ride=None) -> torch.Tensor:
-        """``forward`` of one token per request: tokens [B] at positions [B] (long), K/V stored at
-        write_slots [B] (long), attention over block_table (int32 [B, P]); ``rows`` [B]: the requests'
-        rows (a KV residual needs them)."""
-        return self.forward(tokens, kv, StepContext.for_decode(positions, write_slots, block_table, rows, ride))

@@ -55,7 +55,7 @@ def test_padded_buckets_match_plain_decode_and_write_only_their_slots():
         after = [c.clone() for c in engine.kv.k]
         for c, b in zip(engine.kv.k, before):
             c.copy_(b)  # the plain decode writes the same slots again from the same state
-        want = engine.model.decode(tokens, positions, engine.kv, block, slots)
+        want = engine.model.forward(tokens, engine.kv, StepContext.for_decode(positions, slots, block))
         assert got.shape == want.shape == (batch, engine.model.config.vocab)
         assert_close(got, want, 1e-5, f"bucket of B={batch}, W={width}")
         written = set(slots.tolist()) | {GraphedDecode.PAD_SLOT}

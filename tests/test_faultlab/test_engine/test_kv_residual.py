@@ -246,7 +246,7 @@ def test_graph_padding_rows_write_only_the_scratch_row():
     after = [r.clone() for r in residuals]
     for r, b in zip(residuals, before):
         r.copy_(b)
-    want = engine.model.decode(tokens, positions, engine.kv, pages, slots, rows=rows)
+    want = engine.model.forward(tokens, engine.kv, StepContext.for_decode(positions, slots, pages, rows))
     assert torch.allclose(got, want, atol=1e-5)
     per_row = engine.residual.pages_per_row
     for b, a in zip(before, after):

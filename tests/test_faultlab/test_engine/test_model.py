@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from faultlab.engine.config import get_preset
+from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import PagedKVCache
 from faultlab.engine.model import LlamaModel
 from faultlab.engine.weights import random_weights
@@ -34,7 +35,13 @@ def _tokens(n, seed=1) -> torch.Tensor:
 
 def _prefill(model, kv, tokens, row, start=0):
     pos = torch.arange(start, start + tokens.numel())
-    return model.prefill(tokens, start, kv, row, _slots(row, pos))
+    return model.forward(tokens, kv, StepContext.for_prefill(start, _slots(row, pos), row))
+
+
+def _decode(model, kv, tokens, positions, block, page_size=PAGE):
+    """One token per request: tokens/positions [B], block int32 [B, P] (each request's page row)."""
+    slots = torch.stack([_slots(r, p[None], page_size)[0] for r, p in zip(block, positions)])
+    return model.forward(tokens, kv, StepContext.for_decode(positions, slots, block))
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp32", "int4"])
@@ -45,7 +52,7 @@ def test_decode_matches_full_prefill(weight_dtype):
     kv = _cache(model)
     first = _prefill(model, kv, tokens[:7], row)
     second = _prefill(model, kv, tokens[7:11], row, start=7)  # reads positions 0..6 from the pages
-    last = model.decode(tokens[11:], torch.tensor([11]), kv, row[None], _slots(row, torch.tensor([11])))
+    last = _decode(model, kv, tokens[11:], torch.tensor([11]), row[None])
     assert_close(torch.cat([first, second, last]), full, 1e-4, "chunked prefill + decode vs full prefill")
 
 
@@ -57,8 +64,7 @@ def test_batched_decode_matches_single_requests():
     for seq, row, n in zip(seqs, rows, lengths):
         _prefill(model, kv, seq[:n], row)
     positions = torch.tensor(lengths)
-    write = torch.stack([_slots(row, p[None])[0] for row, p in zip(rows, positions)])
-    batched = model.decode(torch.stack([s[-1] for s in seqs]), positions, kv, rows, write)  # [3, V]
+    batched = _decode(model, kv, torch.stack([s[-1] for s in seqs]), positions, rows)  # [3, V]
     for b, (seq, n) in enumerate(zip(seqs, lengths)):
         alone = _prefill(model, _cache(model), seq, rows[b])[-1]
         assert_close(batched[b], alone, 1e-4, f"request {b} of a batched decode")
@@ -75,7 +81,7 @@ def test_backends_agree_on_tiny_model():
         for pos in (5, 6):
             nxt = tokens[5:6] if pos == 5 else logits[-1].argmax(-1)
             p = torch.tensor([pos])
-            logits.append(model.decode(nxt, p, kv, row[None], _slots(row, p)))
+            logits.append(_decode(model, kv, nxt, p, row[None]))
         out[name] = torch.cat(logits)
     assert_close(out["triton"], out["torch"], 1e-3, "triton vs torch backend (tiny, int4, fp8 KV)")
 
@@ -121,11 +127,11 @@ def test_real_model_says_paris():
     kv = PagedKVCache(config.n_layers, 4, 16, config.n_kv_heads, config.head_dim, "fp8")
     row = torch.tensor([2, 4, 1, 3], dtype=torch.int32)
     prompt = torch.tensor(tok.encode("The capital of France is"))
-    out = [int(model.prefill(prompt, 0, kv, row, _slots(row, torch.arange(prompt.numel()), 16),
-                             last_only=True).argmax())]
+    ctx = StepContext.for_prefill(0, _slots(row, torch.arange(prompt.numel()), 16), row)
+    out = [int(model.forward(prompt, kv, ctx, last_only=True).argmax())]
     for pos in range(prompt.numel(), prompt.numel() + 5):
         p = torch.tensor([pos])
-        out.append(int(model.decode(torch.tensor(out[-1:]), p, kv, row[None], _slots(row, p, 16)).argmax()))
+        out.append(int(_decode(model, kv, torch.tensor(out[-1:]), p, row[None], 16).argmax()))
     assert "Paris" in tok.decode(out), tok.decode(out)
 
 
