@@ -177,7 +177,7 @@ def bench_attention(device, rep_ms: int, quick: bool, sweep: bool = False) -> li
 
     ``paged_decode_attention_old``: the heads-in-MMA-rows kernel with the settings used before;
     with ``sweep``, also each candidate (mode, block_n, num_warps, num_stages) (op ``attention_sweep``)."""
-    from faultlab.engine.kernels.paged_attention import BLOCK_N, BLOCK_N_FP8, _auto_splits, _paged_decode
+    from faultlab.engine.kernels.paged_attention import BLOCK_N, BLOCK_N_FP8, auto_splits, launch_paged_decode
     rows = []
     n_heads, n_kv, head_dim, page_size, context = 32, 8, 128, 16, 8192
     for batch in ((1, 8) if quick else (1, 8, 64)):
@@ -190,7 +190,7 @@ def bench_attention(device, rep_ms: int, quick: bool, sweep: bool = False) -> li
             params = dict(batch=batch, context=context, page_size=page_size, n_heads=n_heads, n_kv_heads=n_kv,
                           head_dim=head_dim, cache_dtype=str(cache_dtype).removeprefix("torch."))
             flops = 4.0 * batch * n_heads * context * head_dim
-            splits = _auto_splits(case[0], n_kv, context)
+            splits = auto_splits(case[0], n_kv, context)
             old_n = BLOCK_N_FP8 if cache_dtype == FP8 and splits == 1 else BLOCK_N
             variants = [("paged_decode_attention", {}),
                         ("paged_decode_attention_old", dict(mode=0, block_n=old_n, num_warps=4, num_stages=3))]
@@ -202,8 +202,8 @@ def bench_attention(device, rep_ms: int, quick: bool, sweep: bool = False) -> li
                                                           n_splits=2)) for a, bn, nw, ns in ATTN_SWEEP[1:3]]
             for op, kw in variants:
                 try:
-                    err = rel_error(_paged_decode(*case, scale, 0.5, 0.5, **kw), ref)
-                    ms = _time_ms(lambda: _paged_decode(*case, scale, 0.5, 0.5, **kw), rep_ms)
+                    err = rel_error(launch_paged_decode(*case, scale, 0.5, 0.5, **kw), ref)
+                    ms = _time_ms(lambda: launch_paged_decode(*case, scale, 0.5, 0.5, **kw), rep_ms)
                 except Exception as exc:
                     print(f"{op} {params} {kw}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue

@@ -226,8 +226,9 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-def _auto_splits(q, n_kv_heads: int, max_tokens: int) -> int:
-    """Split the sequence when (request, KV head) pairs alone would leave most SMs idle."""
+def auto_splits(q, n_kv_heads: int, max_tokens: int) -> int:
+    """Sequence splits of a launch: more than one when (request, KV head) pairs alone would leave most SMs
+    idle (always 1 off CUDA)."""
     if q.device.type != "cuda":
         return 1
     n_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -267,10 +268,12 @@ def _choose(cache_dtype, group: int, n_splits: int) -> tuple[int, int, int, int]
     return 0, 64, 8, 2
 
 
-def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
+def launch_paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
                   n_splits=None, block_n=None, mode=None, num_warps=None, num_stages=None,
                   k_res=None, v_res=None, res_table=None, res_bounds=None, res_max_tokens=None):
-    """Launch with an explicit number of sequence splits (``None``: chosen from the GPU's size).
+    """:func:`paged_decode_attention` with explicit launch settings (benches and tests tune them here).
+
+    ``n_splits``: sequence splits (``None``: chosen from the GPU's size by :func:`auto_splits`).
 
     ``mode``: 0 (heads fill the MMA rows), 1 (tokens fill them) or 2 (CUDA cores, no tl.dot); it,
     ``block_n``, ``num_warps`` and ``num_stages`` are chosen from the cache dtype and GQA group when None.
@@ -288,7 +291,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale,
         return out
     max_tokens = max(1, block_table.shape[1] * page_size)
     if n_splits is None:
-        n_splits = _auto_splits(q, n_kv_heads, max_tokens)
+        n_splits = auto_splits(q, n_kv_heads, max_tokens)
     auto_mode, auto_n, auto_warps, auto_stages = _choose(k_cache.dtype, group, n_splits)
     mode = auto_mode if mode is None else mode
     if mode not in (0, 1, 2):
@@ -367,6 +370,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale,
     Returns:
         ``[B, H, D]`` in ``q.dtype``; softmax and accumulation in fp32.
     """
-    return _paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
+    return launch_paged_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale, k_scale, v_scale,
                          k_res=k_res, v_res=v_res, res_table=res_table, res_bounds=res_bounds,
                          res_max_tokens=res_max_tokens)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from faultlab.engine.kernels.kv_store import RES_SCALE, store_kv, store_kv_ref
-from faultlab.engine.kernels.paged_attention import _paged_decode, paged_decode_attention
+from faultlab.engine.kernels.paged_attention import launch_paged_decode, paged_decode_attention
 from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn, rel_error
 
@@ -148,7 +148,7 @@ def _check(case, res, res_table, sm_scale, name, res_max_tokens=None, **launch):
     """Kernel vs reference (res may hold res_bounds too); extra keywords go to the explicit launcher."""
     q = case[0]
     if launch:
-        out = _paged_decode(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table,
+        out = launch_paged_decode(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table,
                             res_max_tokens=res_max_tokens, **launch)
     else:
         out = paged_decode_attention(*case, sm_scale, K_SCALE, V_SCALE, **res, res_table=res_table)
@@ -264,7 +264,7 @@ def test_attention_rejects_bad_residual(name, bad):
         with pytest.raises(ValueError, match=name):
             op(**args)
     with pytest.raises(ValueError, match=name):
-        _paged_decode(**{**args, "k_scale": K_SCALE, "v_scale": V_SCALE}, n_splits=2)
+        launch_paged_decode(**{**args, "k_scale": K_SCALE, "v_scale": V_SCALE}, n_splits=2)
 
 
 def _store_args():

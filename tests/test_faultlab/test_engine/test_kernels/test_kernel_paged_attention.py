@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from faultlab.engine.kernels.paged_attention import _paged_decode, paged_decode_attention
+from faultlab.engine.kernels.paged_attention import launch_paged_decode, paged_decode_attention
 from faultlab.engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from faultlab.engine.kernels.testing import assert_close, generator, randn
 
@@ -45,7 +45,7 @@ def _check(case, sm_scale, tol, name, n_splits=None):
     if n_splits is None:
         out = paged_decode_attention(*case, sm_scale, K_SCALE, V_SCALE)
     else:
-        out = _paged_decode(*case, sm_scale, K_SCALE, V_SCALE, n_splits=n_splits)
+        out = launch_paged_decode(*case, sm_scale, K_SCALE, V_SCALE, n_splits=n_splits)
     ref = paged_decode_attention_ref(*case, sm_scale, K_SCALE, V_SCALE)
     assert out.dtype == case[0].dtype and out.shape == case[0].shape
     return assert_close(out, ref, tol, name)
@@ -90,7 +90,7 @@ def test_strided_q_and_large_scores():
 def test_zero_length_request_gives_zeros():
     case = make_case([0, 20], 16, 4, 2, 16, torch.float32, torch.float32, seed=81)
     for n_splits in (1, 2):
-        out = _paged_decode(*case, 0.25, K_SCALE, V_SCALE, n_splits=n_splits)
+        out = launch_paged_decode(*case, 0.25, K_SCALE, V_SCALE, n_splits=n_splits)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         assert_close(out[1:], paged_decode_attention_ref(*case, 0.25)[1:], 1e-5, "attention after empty")
 
@@ -131,7 +131,7 @@ def test_every_mode_matches_ref(q_dtype, cache_dtype, n_splits, mode):
     # heads-in-MMA-rows (0), tokens-in-MMA-rows (1) and CUDA-core (2) kernels; 4 query heads per KV head
     # like the 8B model (H=8 over Hkv=2), lengths across page and block boundaries
     case = make_case([1, 17, 150], 16, 8, 2, 32, q_dtype, cache_dtype, seed=100 + mode)
-    out = _paged_decode(*case, 32 ** -0.5, K_SCALE, V_SCALE, n_splits=n_splits, mode=mode, block_n=32)
+    out = launch_paged_decode(*case, 32 ** -0.5, K_SCALE, V_SCALE, n_splits=n_splits, mode=mode, block_n=32)
     ref = paged_decode_attention_ref(*case, 32 ** -0.5, K_SCALE, V_SCALE)
     assert out.dtype == q_dtype and out.shape == case[0].shape
     assert_close(out, ref, TOL[q_dtype], f"attention mode {mode} {q_dtype}/{cache_dtype} x{n_splits}")
@@ -141,5 +141,5 @@ def test_every_mode_matches_ref(q_dtype, cache_dtype, n_splits, mode):
 def test_modes_odd_group_and_head_dim(mode):
     # GROUP = 3 (padded to 4 or 16 rows) and head_dim 48 (padded to 64)
     case = make_case([5, 29], 16, 6, 2, 48, torch.float32, torch.float32, seed=110 + mode)
-    out = _paged_decode(*case, 48 ** -0.5, K_SCALE, V_SCALE, mode=mode)
+    out = launch_paged_decode(*case, 48 ** -0.5, K_SCALE, V_SCALE, mode=mode)
     assert_close(out, paged_decode_attention_ref(*case, 48 ** -0.5), 1e-5, f"attention mode {mode} G=3 D=48")
