@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -156,7 +155,6 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
 
 SETUP = """
 import sys
-from types import SimpleNamespace
 from faultlab.sglang_gpu import common
 common.setup_env(SimpleNamespace(cpu=True, tp=1, argv={argv!r}))
 print("RETURNED", common.EP_DIR in sys.path)
@@ -232,3 +230,13 @@ def test_sys_path_edit_scan_sees_edits(tmp_path):
 def test_harness_modules_stay_small():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "faultlab" / "sglang_gpu").glob("*.py")}
     assert sizes and max(sizes.values()) < 400, sizes
+
+
+def test_sglang_and_matplotlib_are_imported_inside_functions_only():
+    """The scheduler imports probes.py through the entry point, the report runs without SGLang: no module of
+    the harness imports sglang, torch or matplotlib at module level."""
+    for path in (REPO / "faultlab" / "sglang_gpu").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not [n for n in names if n.split(".")[0] in ("sglang", "torch", "matplotlib")], path.name
