@@ -155,6 +155,7 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
 
 SETUP = """
 import sys
+from types import SimpleNamespace
 from faultlab.sglang_gpu import common
 common.setup_env(SimpleNamespace(cpu=True, tp=1, argv={argv!r}))
 print("RETURNED", common.EP_DIR in sys.path)
