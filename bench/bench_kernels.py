@@ -97,10 +97,10 @@ ATTN_SWEEP = [  # (mode, block_n, num_warps, num_stages)
 
 
 def _int4_case(rows, params, x, w, ref, rep_ms, w_bytes, io_bytes, flops, op, **kw):
-    from faultlab.engine.kernels.int4_gemm import _int4_linear
+    from faultlab.engine.kernels.int4_gemm import launch_int4_linear
     try:
-        err = rel_error(_int4_linear(x, *w, **kw), ref)
-        ms = _time_ms(lambda: _int4_linear(x, *w, **kw), rep_ms)
+        err = rel_error(launch_int4_linear(x, *w, **kw), ref)
+        ms = _time_ms(lambda: launch_int4_linear(x, *w, **kw), rep_ms)
     except Exception as exc:  # a config that does not compile: report and go on
         print(f"{op} {params} {kw}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         return

@@ -10,7 +10,7 @@ accumulating in fp32. On bf16 x the dequantized tiles are rounded to bf16 for th
 dot runs in IEEE fp32 (no TF32). When the (M, N) tiles alone would leave SMs idle, K is split over
 programs whose fp32 partial sums a second small kernel adds (no host sync: CUDA-graph capturable).
 
-A CUDA-core GEMV path (``_int4_linear(..., path="gemv")``, M <= 16, no tl.dot) exists and is tested, but
+A CUDA-core GEMV path (``launch_int4_linear(..., path="gemv")``, M <= 16, no tl.dot) exists and is tested, but
 it measured slower than the tl.dot path on an H200 (table in :func:`_blocks`), so it is not the default.
 """
 import torch
@@ -227,7 +227,7 @@ def _n_splits(k: int, block_k: int, tiles: int, target: int) -> tuple[int, int]:
     return k_split, triton.cdiv(k, k_split)
 
 
-def _int4_linear(x, qweight, scales, mins, group_size, block_m=None, block_n=None, block_k=None,
+def launch_int4_linear(x, qweight, scales, mins, group_size, block_m=None, block_n=None, block_k=None,
                  split_k=None, num_warps=None, path=None, target_programs=TARGET_PROGRAMS):
     """:func:`int4_linear` with explicit tile sizes (``None``: chosen from M).
 
@@ -294,7 +294,7 @@ def int4_linear(x, qweight, scales, mins, group_size):
     Returns:
         ``[M, N]`` in ``x.dtype``, accumulated in fp32.
     """
-    return _int4_linear(x, qweight, scales, mins, group_size)
+    return launch_int4_linear(x, qweight, scales, mins, group_size)
 
 
 def int4_linear_ref(x, qweight, scales, mins, group_size):

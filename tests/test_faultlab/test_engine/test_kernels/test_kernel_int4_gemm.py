@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from faultlab.engine.kernels.int4_gemm import (
-    _int4_linear, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, quantize_int4, unpack_int4,
+    launch_int4_linear, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, quantize_int4, unpack_int4,
 )
 from faultlab.engine.kernels.testing import assert_close, assert_equal, generator, randn
 
@@ -127,7 +127,7 @@ def test_prefill_tiles_and_strided_x(dtype):
     x = randn((m, k + 32), 21, dtype, DEVICE)[:, 16:16 + k]
     ref = int4_linear_ref(x, qweight, scales, mins, group_size)
     assert_close(int4_linear(x, qweight, scales, mins, group_size), ref, TOL[dtype], "int4_linear M=33")
-    y = _int4_linear(x, qweight, scales, mins, group_size, block_m=16, block_n=16, block_k=64)
+    y = launch_int4_linear(x, qweight, scales, mins, group_size, block_m=16, block_n=16, block_k=64)
     assert_close(y, ref, TOL[dtype], "int4_linear M=33 small tiles")
 
 
@@ -174,7 +174,7 @@ def test_gemv_path_matches_ref(m, group_size, n, k, dtype):
     assert y.dtype == dtype and y.shape == (m, n)
     assert_close(y, ref, TOL[dtype], f"int4_linear M={m} N={n} K={k} G={group_size}")
     for split_k in (1, 3):
-        y = _int4_linear(x, qweight, scales, mins, group_size, path="gemv", split_k=split_k, block_n=16)
+        y = launch_int4_linear(x, qweight, scales, mins, group_size, path="gemv", split_k=split_k, block_n=16)
         assert_close(y, ref, TOL[dtype], f"int4_linear gemv M={m} N={n} K={k} G={group_size} split {split_k}")
 
 
@@ -186,11 +186,11 @@ def test_dot_path_split_k(m, dtype):
     qweight, scales, mins = _weights(n, k, group_size, seed=70 + m)
     x = randn((m, k), 71 + m, dtype, DEVICE)
     ref = int4_linear_ref(x, qweight, scales, mins, group_size)
-    y = _int4_linear(x, qweight, scales, mins, group_size, path="dot", split_k=3, block_k=128)
+    y = launch_int4_linear(x, qweight, scales, mins, group_size, path="dot", split_k=3, block_k=128)
     assert_close(y, ref, TOL[dtype], f"int4_linear dot M={m} split 3")
 
 
 def test_gemv_path_rejects_large_m():
     qweight, scales, mins = _weights(8, 64, 32, seed=80)
     with pytest.raises(ValueError, match="x"):
-        _int4_linear(randn((17, 64), 81, device=DEVICE), qweight, scales, mins, 32, path="gemv")
+        launch_int4_linear(randn((17, 64), 81, device=DEVICE), qweight, scales, mins, 32, path="gemv")
