@@ -266,3 +266,13 @@ def test_no_import_cycles():
             visit(v)
     assert cycles == [], f"import cycles: {cycles}"
     assert "faultlab.engine.engine" in graph and graph["faultlab.engine.engine"]  # the scan sees imports
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A non-editable `pip install .` ships only the listed packages: a folder left out would be missing."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for top in ("kvguard", "faultlab")
+             for p in (REPO / top).rglob("__init__.py")}
+    assert found == listed
