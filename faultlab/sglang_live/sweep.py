@@ -49,6 +49,16 @@ def judge(ep: dict, clean: dict) -> list[str]:
     return problems
 
 
+def summarize(configs: dict) -> dict:
+    """Episode counts over every configuration: exact ones, deaths, and the two ways a run goes wrong."""
+    verdicts = [(label, v) for c in configs.values() for label, v in c["verdicts"].items() if label != "clean"]
+    return {"fault_episodes": len(verdicts), "exact": sum(not v for _, v in verdicts),
+            "server_deaths": sum(len(c["deaths"]) for c in configs.values()),
+            "episodes_victims_not_aborted": sum(any(p.startswith("errors ") for p in v) for _, v in verdicts),
+            "episodes_with_non_victim_token_mismatch": sum(any(p.startswith("non-victims' tokens differ")
+                                                               for p in v) for _, v in verdicts)}
+
+
 def _seeds(text: str) -> list[int]:
     try:
         lo, _, hi = text.partition("-")
@@ -116,6 +126,8 @@ def main(argv=None) -> int:
         print(f"{name}: {len(verdicts) - 1} fault episodes, {len(verdicts) - 1 - len(wrong)} exact, "
               f"{len(deaths)} server deaths, {time.time() - t0:.0f} s" + "".join(
                   f"\n  {label}: {'; '.join(v)}" for label, v in wrong.items()))
+    report["summary"] = summarize(report["configs"])
+    report["command"] = " ".join(["python -m faultlab.sglang_live.sweep"] + list(sys.argv[1:] if argv is None else argv))
     with open(args.out, "w") as f:
         json.dump(report, f)
     print(f"wrote {args.out}")

@@ -114,3 +114,15 @@ def test_sweep_bad_input_exits_2_naming_the_option(argv, named, tmp_path, capsys
     assert info.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_sweep_summary_counts_each_way_an_episode_went_wrong():
+    from faultlab.sglang_live.sweep import summarize
+
+    configs = {"a": {"deaths": ["x2"], "verdicts": {
+        "clean": [], "x1": [], "x2": ["the server died in this episode"],
+        "x3": ["errors [] != victims ['r-a0']", "non-victims' tokens differ: ['r-b1']"],
+        "x4": ["non-victims' tokens differ: ['r-b0']"]}},
+        "b": {"deaths": [], "verdicts": {"clean": [], "y1": []}}}
+    assert summarize(configs) == {"fault_episodes": 5, "exact": 2, "server_deaths": 1,
+                                  "episodes_victims_not_aborted": 1, "episodes_with_non_victim_token_mismatch": 2}
