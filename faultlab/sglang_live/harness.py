@@ -10,7 +10,7 @@ process tree, parent included; the test process must survive that to report it.
 SPEC keys (all optional except ``episodes``):
 ``device`` ("cpu"), ``page_size`` (16), ``radix`` (true), ``overlap`` (true), ``env`` (extra environment,
 e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler inherits it),
-``max_total_tokens`` (4096), ``dtype`` (on the CPU: "float32"), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
+``max_total_tokens`` (4096), ``dtype`` (on the CPU: "float32"), ``kv_dtype`` ("auto"), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
 (``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0), ``model`` (a config dict
 merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed",
 "workload" (optional overrides of the run's workload for this episode)}``.
@@ -145,7 +145,7 @@ def run(spec: dict, out_path: str) -> int:
                   max_total_tokens=int(spec.get("max_total_tokens", 4096)),
                   disable_radix_cache=not spec.get("radix", True),
                   disable_overlap_schedule=not spec.get("overlap", True),
-                  log_level=spec.get("log_level", "error"))
+                  log_level=spec.get("log_level", "error"), kv_cache_dtype=spec.get("kv_dtype", "auto"))
     kwargs["attention_backend"] = spec.get("attention_backend", "torch_native" if device == "cpu" else "triton")
     if device == "cpu":
         kwargs["dtype"] = spec.get("dtype", "float32")
