@@ -94,6 +94,15 @@ def make_rig(check_hooks):
     return _make
 
 
+@pytest.fixture(params=["torch", "triton"])
+def kvguard_backend(request, monkeypatch):
+    """A test on both of kvguard's backends: the torch references and the Triton kernels (interpreted on the
+    CPU) that a GPU server runs (the check with its write guard, the decode recorder). Use it with
+    ``pytest.mark.usefixtures("kvguard_backend")``, so it is set before the rig installs kvguard."""
+    monkeypatch.setenv("KVGUARD_BACKEND", request.param)
+    return request.param
+
+
 @pytest.fixture(params=[1, 16], ids=["ps1", "ps16"])
 def rig_ps(request, make_rig):
     """An installed rig at page size 1 and 16 (PagedTokenToKVPoolAllocator, FP8 MHA pool)."""

@@ -252,12 +252,15 @@ def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *
     unchecked = torch.where(rows_ok, (n - cap).clamp(min=0), n.clamp(min=1)).to(torch.int32)
     verdict[:, 0] += unchecked
     if guard is not None:
-        _guard_ref(guard, verdict.sum(1) > 0)
+        apply_guard(guard, verdict.sum(1) > 0)
     return verdict
 
 
-def _guard_ref(guard: WriteGuard, flagged: torch.Tensor) -> None:
-    """The write guard in torch: every slot of a flagged batch entry becomes ``guard.scratch``."""
+def apply_guard(guard: WriteGuard, flagged: torch.Tensor) -> None:
+    """The write guard in torch: every slot of a flagged batch entry (bool ``[B]``) becomes ``guard.scratch``.
+
+    The reference's guard, and how a caller guards requests it flags itself (reads the segment bounds on
+    the host when there are segments: keep it off the common path)."""
     if guard.starts is None:
         guard.slots.masked_fill_(flagged, guard.scratch)
         return

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels.tag_check import WriteGuard
+from ..kernels.tag_check import WriteGuard, apply_guard
 from ..tracker import Check
 from ..violations import KVGuardViolation
 from .follow import PoolFollower
@@ -63,12 +63,13 @@ class SGLangGuard(PoolFollower):
         on_cuda = rows.device.type == "cuda"
         # Every row followed (the normal case): the batch's own device lengths, no copy at all.
         n_entries = batch.seq_lens if bool(known.all()) else self.to_device(n_cpu.tolist(), n_cpu.dtype)
+        guard = self.write_guard(batch)
         check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows, n_entries,
                                       max_entries=max_entries, table_rows=rows, page_div=self.page_size,
-                                      per_token=True, entries_hint=int(n_cpu.sum()),
-                                      guard=self.write_guard(batch))
-        if any(stale):
-            self.guard_stale(batch, stale)
+                                      per_token=True, entries_hint=int(n_cpu.sum()), guard=guard)
+        if guard is not None and any(stale):
+            # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
+            apply_guard(guard, self.to_device(stale, torch.bool))
         if on_cuda:
             host = torch.empty(check.verdict.shape, dtype=check.verdict.dtype, pin_memory=True)
             host.copy_(check.verdict, non_blocking=True)
@@ -103,19 +104,6 @@ class SGLangGuard(PoolFollower):
             starts.append(starts[-1] + n)
         segments = self.to_device([starts, list(lens)], torch.int64)
         return WriteGuard(out, segments[0], segments[1], scratch=SCRATCH_SLOT)
-
-    def guard_stale(self, batch, stale: list[bool]) -> None:
-        """Rare: requests whose row went to a newer owner write nothing either (their writes go to padding)."""
-        out = batch.out_cache_loc
-        if out is None or out.numel() == 0:
-            return
-        bad = self.to_device(stale, torch.bool)
-        if out.numel() != bad.numel():
-            lens = getattr(batch, "extend_lens", None)
-            if lens is None or sum(lens) != out.numel():
-                return  # write_guard has warned
-            bad = torch.repeat_interleave(bad, self.to_device(lens, torch.int64), output_size=out.numel())
-        out.masked_fill_(bad, SCRATCH_SLOT)
 
     def warm_up(self) -> None:
         """Compile every variant of the check kernel at install, so that no request pays for a compile."""

@@ -14,15 +14,7 @@ import pytest
 import torch
 
 
-pytestmark = pytest.mark.sglang
-
-
-@pytest.fixture(autouse=True, params=["torch", "triton"])
-def kvguard_backend(request, monkeypatch):
-    """Every test on both backends: the torch references and the Triton kernels (interpreted on the CPU)
-    that a GPU server runs (the check with its write guard, the decode recorder)."""
-    monkeypatch.setenv("KVGUARD_BACKEND", request.param)
-    return request.param
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("kvguard_backend")]
 
 
 def _free_pages(rig) -> list[int]:
