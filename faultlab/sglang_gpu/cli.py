@@ -22,6 +22,7 @@ each worker's environment, read by SGLang's plugin loader in the scheduler proce
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -30,6 +31,17 @@ from faultlab.sglang_gpu.extras import cmd_extras
 from faultlab.sglang_gpu.faults import ALL_CLASSES, cmd_fault_engine, cmd_faults
 from faultlab.sglang_gpu.overhead import cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
+
+
+def _json_object(text: str) -> str:
+    """An option holding a JSON object (kept as text; argparse names the option when this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is expected, got {type(value).__name__}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, default=None, help="TP: inject on this rank only")
     p.add_argument("--fault-mem-fraction", type=float, default=0.5)
     p.add_argument("--split-killers", action="store_true")
-    p.add_argument("--overrides", default="{}", help="JSON: sglang.Engine settings over the fault engines' own")
+    p.add_argument("--overrides", default="{}", type=_json_object, help="JSON: sglang.Engine settings over the fault engines' own")
+    p.add_argument("--env", default="{}", type=_json_object, help="JSON: extra environment of every fault engine "
+                   "(e.g. FAULTLAB_SGLANG_KV_WATCH=1, a diagnostic)")
     p.add_argument("--spread-gpus", type=int, default=1, help="tp 1: engine i on GPU i %% N")
     p.add_argument("--budget", type=float, default=0)
     p.add_argument("--name", default="faults.json")

@@ -24,7 +24,7 @@ from faultlab.sglang_gpu.common import (
     setup_env,
 )
 from faultlab.sglang_gpu.probes import ABORT_LOG_ENV, FAULT_RANK_ENV
-from faultlab.sglang_live.plan import DECODE_FAULTS, REUSER_FAULTS
+from faultlab.sglang_live.plan import DECODE_FAULTS, REUSER_FAULTS, TWIN
 
 ALL_CLASSES = DECODE_FAULTS + REUSER_FAULTS  # the default of --classes: every class, in this order
 
@@ -48,6 +48,8 @@ def fault_engine(spec: dict, out_path: str) -> int:
     tmp = spec["workdir"]
     os.makedirs(tmp, exist_ok=True)
     log_path = os.path.join(tmp, "inject.jsonl")
+    if os.path.exists(log_path):  # a previous run's lines would answer this run's waits (its "armed")
+        os.remove(log_path)
     model = H.write_model(os.path.join(tmp, "model"), spec.get("model"))
     plan = [{"fault": ep.get("fault") or "none", "seed": int(ep.get("seed", 0)), "rid_prefix": f"{ep['label']}-a",
              "reuser_prefix": f"{ep['label']}-b", "min_candidates": workload["n1"], "label": ep["label"]}
@@ -83,6 +85,7 @@ def fault_engine(spec: dict, out_path: str) -> int:
     engine = sglang.Engine(**kw)
     result.update(started=True, startup_s=time.time() - t, engine_kwargs=kw)
     save()
+    H.watchdog(result, save)  # a scheduler that dies (a fault kvguard-off lets through) ends this process
     wave1, wave2 = H.prompts(workload, page_size)
     try:
         for ep in spec["episodes"]:
@@ -107,6 +110,7 @@ def fault_engine(spec: dict, out_path: str) -> int:
                                        "seconds": end - t})
             save()
     finally:
+        result["closing"] = True
         engine.shutdown()
     save()
     return 0
@@ -114,12 +118,22 @@ def fault_engine(spec: dict, out_path: str) -> int:
 
 def judge(run: dict) -> list[dict]:
     """Per episode: injected?, victims, victims aborted, false aborts, non-victim token mismatches
-    against the run's fault-free episode (same prompts), pool accounting after the episode."""
+    against the run's fault-free episode (same prompts), pool accounting after the episode.
+
+    A fault episode whose twin control ran in the same engine with the same seed (``sglang_abort`` for
+    ``stale_row``: the same victim aborted by SGLang itself at the same step, nothing corrupted) also gets
+    ``twin_mismatches``: its non-victims' tokens against that control's. The fault-free episode keeps every
+    request in the batch to the end; the twin loses the victim at the same step as the fault episode, so it
+    separates what the fault did from what removing a request from the batch does to the GPU's numerics.
+    """
     eps = run.get("episodes", [])
+
+    def outputs(ep):
+        return {r["rid"].split("-", 1)[1]: r["output_ids"] for r in ep["requests"]}
+
     clean = next((e for e in eps if not e["fault"]), None)
-    ref = {}
-    if clean is not None:
-        ref = {r["rid"].split("-", 1)[1]: r["output_ids"] for r in clean["requests"]}
+    ref = outputs(clean) if clean is not None else {}
+    twins = {(TWIN[e["fault"]], e["seed"]): e for e in eps if e["fault"] in TWIN}
     out = []
     for ep in eps:
         victims = set(ep["victims"])
@@ -128,6 +142,11 @@ def judge(run: dict) -> list[dict]:
                "injected": injected, "victims": len(victims), "victims_aborted": 0, "victims_corrupted": 0,
                "non_victim_mismatches": 0, "false_aborts": 0, "requests": len(ep["requests"]),
                "balanced": (ep.get("idle_check") or {}).get("balanced"), "seconds": ep.get("seconds")}
+        twin = twins.get((ep["fault"], ep["seed"]))
+        twin_out = outputs(twin) if twin is not None else None
+        if twin is not None:
+            row.update(twin=twin["label"], twin_mismatches=0, twin_victims_same=sorted(twin["victims"]) == sorted(
+                v.replace(ep["label"], twin["label"], 1) for v in victims))
         for r in ep["requests"]:
             key = r["rid"].split("-", 1)[1]
             aborted = r["error"] is not None
@@ -138,8 +157,45 @@ def judge(run: dict) -> list[dict]:
             else:
                 row["false_aborts"] += aborted
                 row["non_victim_mismatches"] += (not aborted) and not same
+                if twin_out is not None:
+                    row["twin_mismatches"] += (not aborted) and r["output_ids"] != twin_out.get(key)
         out.append(row)
+    _kv_compare(run.get("events", []), eps, out)
     return out
+
+
+def _kv_compare(events: list, eps: list, rows: list) -> None:
+    """With the KV watch on (faultlab.sglang_live.kvwatch): its findings per episode, and per watched
+    request the first position whose K/V differs from the same request in the fault-free episode and in
+    the twin control (None: equal as far as both were seen)."""
+    finals: dict = {}
+    for e in events:
+        if e["event"] == "kv_final":
+            trace = finals.setdefault(e["rid"], {})
+            for i, p in enumerate(e["prints"]):
+                trace[e["first"] + i] = p
+    if not finals:
+        return
+    clean = next((e["label"] for e in eps if not e["fault"]), None)
+    by_label = {r["label"]: r for r in rows}
+
+    def first_diff(a: dict, b: dict):
+        common = sorted(set(a) & set(b))
+        return next((p for p in common if a[p] != b[p]), None), len(common)
+
+    for ep, row in zip(eps, rows):
+        label = ep["label"]
+        row["kv_events"] = {k: sum(1 for e in events if e["event"] == k and e.get("label") == label)
+                            for k in ("kv_changed", "kv_not_written")}
+        diffs = {}
+        for rid, trace in finals.items():
+            if not rid.startswith(label + "-"):
+                continue
+            key = rid[len(label) + 1:]
+            for name, other in (("clean", clean), ("twin", (by_label.get(label) or {}).get("twin"))):
+                if other and other != label and f"{other}-{key}" in finals:
+                    diffs[f"{key}_vs_{name}"] = first_diff(trace, finals[f"{other}-{key}"])
+        row["kv_first_diff"] = diffs
 
 
 def cmd_fault_engine(a) -> None:
@@ -185,7 +241,7 @@ def cmd_faults(a) -> None:
     stem = os.path.splitext(a.name)[0]
     for i, g in enumerate(groups):
         name = f"{stem}_{g['mode']}_ps{g['page_size']}_{i}"
-        env = {"KVGUARD_MODE": g["mode"]}
+        env = {"KVGUARD_MODE": g["mode"], **json.loads(a.env)}
         if a.tp == 1 and a.spread_gpus > 1:
             env["CUDA_VISIBLE_DEVICES"] = str(i % a.spread_gpus)
         if a.tp > 1:
@@ -246,5 +302,6 @@ def cmd_faults(a) -> None:
         bad = [r for r in rows if r["fault"] != "none" and (r["victims_aborted"] != r["victims"] or r["false_aborts"]
                                                            or r["non_victim_mismatches"])]
         log(f"{name}: rc={p.returncode} {len(rows)}/{planned} episodes; not clean: "
-            + ", ".join(f"{r['label']}(v{r['victims']}/a{r['victims_aborted']}/fa{r['false_aborts']}/m{r['non_victim_mismatches']}/bal{r['balanced']})" for r in bad[:12]))
+            + ", ".join(f"{r['label']}(v{r['victims']}/a{r['victims_aborted']}/fa{r['false_aborts']}/m{r['non_victim_mismatches']}"
+                     f"/twin{r.get('twin_mismatches', '-')}/bal{r['balanced']})" for r in bad[:12]))
     dump(a, a.name, summary)

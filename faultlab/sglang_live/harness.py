@@ -152,7 +152,7 @@ def run(spec: dict, out_path: str) -> int:
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
     save()
-    _watchdog(result, save)
+    watchdog(result, save)
     try:
         for ep in episodes:
             result["current"] = ep["label"]
@@ -194,7 +194,7 @@ def _finish_record(record: dict, log_path: str) -> None:
                                | {e["rid"] for e in events if e["event"] == "victim"})
 
 
-def _watchdog(result: dict, save) -> None:
+def watchdog(result: dict, save) -> None:
     """When an SGLang child process dies (its scheduler raised), save what we have and exit 3.
 
     SGLang's scheduler signals its parent on a crash, but a parent blocked on a reply that never comes

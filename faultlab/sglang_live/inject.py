@@ -26,6 +26,10 @@ Environment
     After SGLang's dummy loader, re-draw every weight from a seeded normal (std ``<std>`` scaled by
     1/sqrt(fan-in); norms 1.0), so that a tiny dummy model's output depends on its KV cache (SGLang's
     own dummy weights, uniform in +-1e-3, give nearly context-free greedy output).
+``FAULTLAB_SGLANG_KV_WATCH=1``
+    A diagnostic (:mod:`.kvwatch`): every decode step, compare the watched requests' KV contents with the
+    step before (``kv_slot_changed``, ``kv_content_changed``, ``kv_not_written`` lines). Reads the device
+    every step: never on in a measured run.
 ``FAULTLAB_SGLANG_ACCOUNTING=1``
     Log SGLang's own idle accounting check (``SchedulerInvariantChecker._check_all_pools``) as
     ``{"event": "idle_check", ...}`` lines (on change, or at most every 0.3 s), with the request-row pool
@@ -51,6 +55,10 @@ NOT victims: their mapping is correct, and they are hurt only if a victim later 
 now own (the victim's write slot is ``last_loc + 1`` from its broken row), which a guard must prevent.
 
 ``none``             a control: arms and logs ``armed``, corrupts nothing.
+``sglang_abort``     a control with a victim: at a reuser's prefill it picks the request ``stale_row`` would
+    (same seed, same draws) and SGLang aborts it at its next decode step through its own path
+    (``to_finish``, as ``Scheduler.abort_request`` does), corrupting nothing: the batches a
+    ``stale_row`` episode runs, without the fault. Victim: that request.
 ``swapped_entries``  two candidates A, B with different pages at logical page k: the entries of page
     k are exchanged between their rows. Victims: A and B.
 ``index_shift``      candidate A, logical page k: every written entry of that page points one page
@@ -87,7 +95,18 @@ import os
 import time
 
 from . import strikes
-from .plan import ENV_ACCOUNTING, ENV_DUMMY, ENV_FAULTS, ENV_LOG, ENV_ROTARY, ENV_SEED, PlanError, parse_plan
+from .plan import (
+    ENV_ACCOUNTING,
+    ENV_DUMMY,
+    ENV_FAULTS,
+    ENV_KV_WATCH,
+    ENV_KV_WATCH_RIDS,
+    ENV_LOG,
+    ENV_ROTARY,
+    ENV_SEED,
+    PlanError,
+    parse_plan,
+)
 from .runtime import State, log
 
 _SRT = "sglang.srt"
@@ -119,7 +138,8 @@ def register(env=None) -> bool:
         raise SystemExit(f"faultlab_inject: {exc}") from None
     accounting = bool(plan) or env.get(ENV_ACCOUNTING) == "1"
     dummy = env.get(ENV_DUMMY)
-    if not (plan or accounting or dummy) or State.registered:
+    watch = env.get(ENV_KV_WATCH) == "1"
+    if not (plan or accounting or dummy or watch) or State.registered:
         return State.registered
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -136,6 +156,12 @@ def register(env=None) -> bool:
         HookRegistry.register(TARGETS["prepare_for_decode"], strikes.before_prepare_for_decode, HookType.BEFORE)
         HookRegistry.register(TARGETS["alloc_for_extend"], strikes.around_alloc_for_extend, HookType.AROUND)
         HookRegistry.register(TARGETS["alloc_for_decode"], strikes.after_alloc_for_decode, HookType.AFTER)
+    if watch:
+        from . import kvwatch
+
+        kvwatch.Watch.rids_with = env.get(ENV_KV_WATCH_RIDS, kvwatch.Watch.rids_with)
+        HookRegistry.register(TARGETS["prepare_for_decode"], kvwatch.before_prepare_for_decode, HookType.BEFORE)
+        HookRegistry.register(TARGETS["alloc_for_decode"], kvwatch.after_alloc_for_decode, HookType.AFTER)
     return True
 
 

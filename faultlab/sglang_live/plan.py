@@ -14,11 +14,18 @@ ENV_LOG = "FAULTLAB_SGLANG_LOG"
 ENV_ROTARY = "FAULTLAB_SGLANG_CPU_ROTARY"
 ENV_DUMMY = "FAULTLAB_SGLANG_DUMMY_INIT"
 ENV_ACCOUNTING = "FAULTLAB_SGLANG_ACCOUNTING"
+ENV_KV_WATCH = "FAULTLAB_SGLANG_KV_WATCH"
+ENV_KV_WATCH_RIDS = "FAULTLAB_SGLANG_KV_WATCH_RIDS"
 
 DECODE_FAULTS = ("swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry")
 CONTROL = "none"  # arms and logs like a fault, corrupts nothing (the fault-free episode of a driver)
 REUSER_FAULTS = ("premature_free", "double_free", "stale_row")
-FAULTS = DECODE_FAULTS + REUSER_FAULTS + (CONTROL,)
+# A control with a victim: at a reuser's prefill it picks the request stale_row would (same seed, same
+# draws) and has SGLang abort it at its next decode step (the scheduler's own abort path), corrupting
+# nothing: the run a stale_row episode's other requests are compared with.
+ABORT_CONTROL = "sglang_abort"
+TWIN = {ABORT_CONTROL: "stale_row"}  # a control draws its choices as its twin fault does
+FAULTS = DECODE_FAULTS + REUSER_FAULTS + (CONTROL, ABORT_CONTROL)
 
 
 class PlanError(ValueError):
@@ -41,11 +48,12 @@ class Entry:
     candidates: list = field(default_factory=list)
     rng: random.Random | None = None
     watch: dict | None = None  # double_free: page -> copies left to hand out, receivers
+    abort: object = None  # sglang_abort: the request to abort at its next decode step
 
     def __post_init__(self):
         if self.fault not in FAULTS:
             raise PlanError(f"{ENV_FAULTS}: fault {self.fault!r} is not one of {', '.join(FAULTS)}")
-        self.rng = random.Random(f"{self.fault}:{self.seed}")
+        self.rng = random.Random(f"{TWIN.get(self.fault, self.fault)}:{self.seed}")
         if self.step is None:
             self.step = self.rng.randint(2, 6)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan import CONTROL, DECODE_FAULTS, REUSER_FAULTS, Entry
+from .plan import ABORT_CONTROL, CONTROL, DECODE_FAULTS, REUSER_FAULTS, Entry
 from .runtime import State, log
 
 
@@ -33,6 +33,8 @@ def before_prepare_for_decode(batch, *args, **kwargs):
         return None
     State.decode_steps += 1
     for entry in State.plan:
+        if entry.abort is not None and any(r is entry.abort for r in batch.reqs):
+            _abort_as_sglang_does(entry)
         if entry.armed or entry.done:
             continue
         if not entry.decoding and any(entry.is_candidate(r) for r in batch.reqs):
@@ -51,6 +53,18 @@ def before_prepare_for_decode(batch, *args, **kwargs):
             entry.done = True
             _strike_decode(entry, batch)
     return None
+
+
+def _abort_as_sglang_does(entry: Entry) -> None:
+    """SGLang's own abort of a running request (``Scheduler.abort_request``: set ``to_finish``; the
+    request runs this decode step, then its result processing finishes and releases it), at the step
+    where kvguard would flag a stale row: the same batches, the victim aborted, nothing corrupted."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req, entry.abort = entry.abort, None
+    if not req.finished():
+        req.to_finish = FINISH_ABORT(f"faultlab: {entry.fault} control")
+        log("control_abort", fault=entry.fault, seed=entry.seed, label=entry.label, rid=str(req.rid))
 
 
 def _written_pages(req, ps: int) -> int:
@@ -127,7 +141,7 @@ def _log_inject(entry: Entry, victims: list, **fields) -> None:
 
 def around_alloc_for_extend(original, batch, *args, **kwargs):
     for entry in State.plan:
-        if entry.armed and not entry.done and entry.fault in REUSER_FAULTS:
+        if entry.armed and not entry.done and entry.fault in REUSER_FAULTS + (ABORT_CONTROL,):
             if any(entry.is_reuser(r) and not r.kv.holds_kv for r in batch.reqs):
                 entry.done = True
                 _strike_reuse(entry, batch)
@@ -210,6 +224,9 @@ def _strike_reuse(entry: Entry, batch) -> None:
         return _log_inject(entry, [], pages=[page], note="victims follow as 'victim' lines", **info)
     victim = rng.choice(live)
     row = _row(victim)
+    if entry.fault == ABORT_CONTROL:  # nothing corrupted: SGLang aborts it at its next decode step
+        entry.abort = victim
+        return _log_inject(entry, [victim], rows=[row], note="aborted by SGLang at its next decode step", **info)
     if entry.fault == "stale_row":
         rpool.free_rows([row])
         return _log_inject(entry, [victim], rows=[row], **info)
