@@ -26,7 +26,8 @@ from faultlab.sglang_gpu.common import (
 from faultlab.sglang_gpu.probes import ABORT_LOG_ENV, FAULT_RANK_ENV
 from faultlab.sglang_live.plan import DECODE_FAULTS, REUSER_FAULTS, TWIN
 
-ALL_CLASSES = DECODE_FAULTS + REUSER_FAULTS  # the default of --classes: every class, in this order
+# the default of --classes: every fault class, in this order, and stale_row's twin control
+DEFAULT_CLASSES = DECODE_FAULTS + REUSER_FAULTS + tuple(TWIN)
 
 
 def fault_engine(spec: dict, out_path: str) -> int:
@@ -142,6 +143,8 @@ def judge(run: dict) -> list[dict]:
                "injected": injected, "victims": len(victims), "victims_aborted": 0, "victims_corrupted": 0,
                "non_victim_mismatches": 0, "false_aborts": 0, "requests": len(ep["requests"]),
                "balanced": (ep.get("idle_check") or {}).get("balanced"), "seconds": ep.get("seconds")}
+        row["shared_row_steps"] = sum(1 for e in run.get("events", [])
+                                      if e["event"] == "shared_row" and e.get("label") == ep["label"])
         twin = twins.get((ep["fault"], ep["seed"]))
         twin_out = outputs(twin) if twin is not None else None
         if twin is not None:
@@ -229,8 +232,9 @@ def cmd_faults(a) -> None:
             if g["mode"] != "check":
                 continue
             for killer in ("stale_row", "double_free"):
-                kept = [e for e in g["episodes"] if e["fault"] != killer]
-                mine = [e for e in g["episodes"] if e["fault"] == killer]
+                ours = {killer} | {c for c, twin in TWIN.items() if twin == killer}  # its twin control too
+                kept = [e for e in g["episodes"] if e["fault"] not in ours]
+                mine = [e for e in g["episodes"] if e["fault"] in ours]
                 if mine and len(kept) > 2:
                     g["episodes"] = kept
                     extra.append({"mode": g["mode"], "page_size": g["page_size"], "episodes": g["episodes"][:2] + mine})

@@ -80,6 +80,9 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     (``ReqToTokenPool.free_rows``) and popped by the reuser's allocation while A still decodes with it.
     Victim: A (the reuser is not).
 
+``shared_row`` lines (``rids``, ``rows``) name every decode step that SGLang is about to prepare with two
+requests on one ``req_to_token`` row (a stale row still scheduled next to its new owner).
+
 Log lines (one JSON object each): ``{"event": "inject", "fault", "seed", "label", "step", "victims":
 [rid...], "rows", "pages", "entries", "page_size", "time"}``; ``decoding`` (a first candidate is in a
 decode batch: its prompt is in the radix tree now, so a driver can send the others to share its prefix

@@ -32,6 +32,11 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     if batch.is_empty():
         return None
     State.decode_steps += 1
+    rows = [r.kv.req_pool_idx for r in batch.reqs]
+    if len(set(rows)) < len(rows):  # two requests of one decode step on one req_to_token row
+        shared = [str(r.rid) for r, row in zip(batch.reqs, rows) if rows.count(row) > 1]
+        log("shared_row", label=shared[0].rsplit("-", 1)[0], rids=shared,
+            rows=sorted({row for row in rows if rows.count(row) > 1}))
     for entry in State.plan:
         if entry.abort is not None and any(r is entry.abort for r in batch.reqs):
             _abort_as_sglang_does(entry)

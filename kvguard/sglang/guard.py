@@ -125,13 +125,27 @@ class SGLangGuard(PoolFollower):
             if err is not None:
                 message = str(err)
             elif stale:
-                message = (f"kvguard: request {rid} aborted: its req_to_token row "
-                           f"{req.kv.req_pool_idx} was reallocated to another request (stale row)")
-                self.tracker.metrics.violations.labels(reason="stale_row").inc()
+                message = self.stale_message(req)
             else:
                 message = f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {rid})"
             out.append((req, message, bool(stale)))
         return out
+
+    def stale_aborts(self, batch, group=None) -> list[tuple[Any, str, bool]]:
+        """Before a decode step is prepared: (req, message, stale here) for every request whose row SGLang
+        gave to another request, here or (attention TP, ``group``) on a peer rank: all ranks drop the same
+        requests. A request stale only on a peer still owns its row here and is released normally."""
+        local = self.stale(batch)
+        agreed = _all_reduce_max([int(s) for s in local], group)
+        return [(req, self.stale_message(req) if here else
+                 f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, stale row)", bool(here))
+                for req, here, flag in zip(batch.reqs, local, agreed) if flag]
+
+    def stale_message(self, req) -> str:
+        """The abort message of a request whose row SGLang gave to another request (counted once)."""
+        self.tracker.metrics.violations.labels(reason="stale_row").inc()
+        return (f"kvguard: request {req.rid} aborted: its req_to_token row {req.kv.req_pool_idx} was "
+                f"reallocated to another request (stale row)")
 
     # -- abort and release -------------------------------------------------------------------------
 

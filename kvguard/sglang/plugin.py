@@ -25,6 +25,8 @@ target                                                             type    what 
 ``SchedulerBatchResultProcessor.process_batch_result_prefill``     AROUND  read verdict, discard flagged
 ``SchedulerBatchResultProcessor.process_batch_result_decode``      AROUND  read verdict, abort flagged
 ``SchedulerBatchResultProcessor._handle_finish_state_updated_req`` AROUND  skip already-aborted
+``managers.scheduler.Scheduler.update_running_batch``              AROUND  abort stale-row requests before
+                                                                           the decode step is prepared
 =================================================================  ======  ==================================
 
 **Fail closed.** SGLang's loader catches every ``Exception`` a plugin raises and serves on without it. An
@@ -52,6 +54,7 @@ log = logging.getLogger("kvguard.sglang")
 _SRT = "sglang.srt"
 _PROCESSOR = f"{_SRT}.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _BATCH = f"{_SRT}.managers.schedule_batch.ScheduleBatch"
+_SCHEDULER = f"{_SRT}.managers.scheduler.Scheduler"
 TARGETS = {
     "build_kv_cache": f"{_SRT}.mem_cache.kv_cache_builder.build_kv_cache",
     "alloc_for_extend": f"{_SRT}.mem_cache.allocation.alloc_for_extend",
@@ -64,6 +67,7 @@ TARGETS = {
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
     "process_batch_result_decode": f"{_PROCESSOR}.process_batch_result_decode",
     "handle_finish": f"{_PROCESSOR}._handle_finish_state_updated_req",
+    "update_running_batch": f"{_SCHEDULER}.update_running_batch",
 }
 
 _registered_config: TrackerConfig | None = None
@@ -126,6 +130,7 @@ def register(env: Mapping[str, str] | None = None) -> bool:
         ("process_batch_result_prefill", _around_process_batch_result_prefill, around),
         ("process_batch_result_decode", _around_process_batch_result_decode, around),
         ("handle_finish", _around_handle_finish, around),
+        ("update_running_batch", _around_update_running_batch, around),
     ):
         HookRegistry.register(TARGETS[name], fn, kind)
     log.info("kvguard: SGLang hooks registered (KVGUARD_MODE=check)")
@@ -353,6 +358,26 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     if flagged:
         guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output)
     return original(processor, batch, result, *args, **kwargs)
+
+
+def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
+    # NOTE: a request whose req_to_token row SGLang gave to another request (stale row; SGLang's own row
+    # generation tells, host side) must not run one more forward: SGLang indexes more than the KV table
+    # by the batch's device row indices. Each step it writes every request's sampled token into the
+    # overlap FutureMap's output_tokens_buf[row], from which the next step takes every request's input
+    # token; two requests on one row make the owner's next input whichever token the GPU's
+    # duplicate-index write kept (measured on the H200: the owner decoded a wrong token one or two
+    # steps later; on the CPU the later write wins, so it never showed there). So it is aborted here,
+    # before the step is prepared, through kvguard's abort (SGLang's prepare_abort, its error streamed,
+    # released without touching the row), and SGLang's own filter_batch below drops it as finished.
+    # With attention TP the ranks agree first (one small CPU all-reduce per decode step, as the verdict's),
+    # or they would prepare different batches and hang.
+    guard = None if batch is None or batch.is_empty() else _guard_of_batch(batch)
+    if guard is not None:
+        stale = guard.stale_aborts(batch, _attn_tp_cpu_group())
+        if stale:
+            guard.abort(stale, tree_cache=scheduler.tree_cache, stream=scheduler.output_streamer.stream_output)
+    return original(scheduler, batch, *args, **kwargs)
 
 
 def _around_handle_finish(original, processor, req, *args, **kwargs):

@@ -60,6 +60,23 @@ def test_judge_counts_victims_mismatches_and_false_aborts():
     assert (r["victims"], r["victims_aborted"], r["non_victim_mismatches"], r["false_aborts"]) == (1, 1, 1, 1)
 
 
+def test_judge_compares_a_fault_with_its_twin_control_and_counts_shared_rows():
+    clean = _episode("clean0", None, [], [("a0", [1, 2, 3], None), ("b1", [5, 6, 7], None)])
+    twin = _episode("sglang1", "sglang_abort", ["sglang1-a0"], [("a0", None, "faultlab: control"),
+                                                                  ("b1", [5, 6, 8], None)])
+    stale = _episode("stale_1", "stale_row", ["stale_1-a0"], [("a0", None, "kvguard: stale row"),
+                                                               ("b1", [5, 6, 9], None)])
+    twin["seed"] = stale["seed"] = 1
+    events = [{"event": "shared_row", "label": "stale_1", "rids": ["stale_1-a0", "stale_1-b1"]}]
+    rows = {r["label"]: r for r in faults.judge({"episodes": [clean, twin, stale], "events": events})}
+    assert rows["sglang1"]["non_victim_mismatches"] == 1 and "twin" not in rows["sglang1"]
+    s = rows["stale_1"]
+    assert (s["twin"], s["twin_mismatches"], s["twin_victims_same"]) == ("sglang1", 1, True)
+    assert (s["non_victim_mismatches"], s["shared_row_steps"], rows["sglang1"]["shared_row_steps"]) == (1, 1, 0)
+    stale["requests"][1]["output_ids"] = [5, 6, 8]  # as the twin: the fault itself did nothing to b1
+    assert faults.judge({"episodes": [clean, twin, stale]})[2]["twin_mismatches"] == 0
+
+
 def test_profiler_charges_around_hooks_only_their_own_time(tmp_path):
     prof = probes._Prof(str(tmp_path / "t.json"))
 
@@ -143,7 +160,7 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
     assert common.parse_reps(over.reps) == {1: 3, 8: 3, 64: 2}
     f = ap.parse_args(["faults", "--out", "x"])
     assert f.classes.split(",") == ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry",
-                                    "premature_free", "double_free", "stale_row"]
+                                    "premature_free", "double_free", "stale_row", "sglang_abort"]
     assert (f.seeds, f.off_seeds, f.page_sizes, f.name) == (4, 2, [16, 1], "faults.json")
     e = ap.parse_args(["extras", "--out", "x"])
     assert (e.kv_dtypes, e.weights, e.name) == ("fp8_e4m3,bf16", "int4_gptq,bf16", "extras.json")

@@ -155,6 +155,10 @@ def _assert_fault(run: dict, fault: str) -> None:
     wrong = {i: (r["output_ids"], clean[i]["output_ids"]) for i, r in _by_index(ep).items()
              if r["rid"] not in victims and r["output_ids"] != clean[i]["output_ids"]}
     assert wrong == {}, f"{fault}: non-victims' tokens differ from the fault-free run: {wrong}"
+    # no decode step ran two requests on one row (on a GPU the owner's next input token would be
+    # whichever of the two sampled tokens SGLang's row-indexed token relay kept)
+    shared = [e for e in ep["events"] if e["event"] == "shared_row"]
+    assert shared == [], f"{fault}: decode steps prepared with a shared row: {shared}"
     _assert_balanced(run, ep)
 
 

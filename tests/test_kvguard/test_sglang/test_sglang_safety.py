@@ -304,6 +304,62 @@ def test_page_handed_out_twice_in_one_allocation_flags_the_earlier_holder(make_r
     assert rig.verdict(batch) == {first.rid: 1, second.rid: 0}
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_stale_request_never_feeds_its_token_to_the_rows_new_owner(make_rig, page_size):
+    # Found on the H200: SGLang relays each request's sampled token to its next step through the overlap
+    # FutureMap (output_tokens_buf[req_pool_idx], written with the batch's device row indices). A stale
+    # request still decoding on its old row made the new owner's next input whichever of the two tokens
+    # the duplicate-index write kept. kvguard aborts it in Scheduler.update_running_batch, before the
+    # step is prepared. (The whole scheduler runs in test_sglang_engine.py; here its two calls that matter,
+    # filter_batch and prepare_for_decode, with the real pools and FutureMap.) On the CPU the later
+    # duplicate write wins, so the stale request comes after the owner.
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload, resolve_forward_inputs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from kvguard.sglang.plugin import _around_update_running_batch
+
+    rig = make_rig(page_size)
+    rig.install(registry=rig.registry)
+    batch = rig.running(20, 2 * page_size + 3)
+    victim, other = batch.reqs
+    rig.req_to_token_pool.free_rows([victim.kv.req_pool_idx])  # the bug: its row is released under it
+    newcomer = rig.prefill(24)
+    owner = newcomer.reqs[0]
+    assert owner.kv.req_pool_idx == victim.kv.req_pool_idx
+    newcomer.prefill_input_ids_cpu = None  # consumed by its prefill forward
+    batch = rig.to_decode(newcomer, batch)  # owner first, the stale request after it
+    streamed = []
+    scheduler = SimpleNamespace(tree_cache=rig.tree, output_streamer=SimpleNamespace(
+        stream_output=lambda reqs, *a, **k: streamed.extend(reqs)))
+
+    def update_running_batch(scheduler, batch):  # SGLang's: drop finished requests, prepare the step
+        batch.filter_batch()
+        batch.prepare_for_decode()
+        return batch
+
+    owner_row = rig.row(owner).clone()
+    batch = _around_update_running_batch(update_running_batch, scheduler, batch)
+    assert streamed == [victim] and victim.finished() and "stale row" in victim.finished_reason.message
+    assert batch.reqs == [owner, other]
+    assert rig.verdict(batch) == {owner.rid: 0, other.rid: 0}
+    assert batch.req_pool_indices.tolist().count(owner.kv.req_pool_idx) == 1  # one request per row
+    changed = (rig.row(owner) != owner_row).nonzero().flatten().tolist()
+    assert changed == [len(owner.origin_input_ids)]  # only the owner's own new slot was written
+    future_map = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.NONE, rig.req_to_token_pool,
+                           needs_cpu_seq_lens=False)
+    sampled = torch.randperm(1000)[:len(batch.reqs)] + 3  # this step's tokens, one per request
+    future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=sampled))  # the scheduler, after the forward
+    batch.input_ids = None
+    resolve_forward_inputs(batch, future_map)  # the next step's inputs, as SGLang gathers them
+    assert batch.input_ids.tolist() == sampled.tolist()
+    rig.sample(batch)
+    for req in batch.reqs:
+        rig.release(req)
+    assert len(_free_pages(rig)) == rig.allocator.num_pages  # the victim's pages came back too
+
+
 def test_stale_row_abort_gives_back_its_pages_and_tree_lock(make_rig):
     rig = make_rig(16)
     rig.install(registry=rig.registry)
