@@ -33,6 +33,9 @@ from faultlab.sglang_gpu.overhead import cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
 
 
+RAW_RUNS = ("dec01b", "dec01", "nov30")  # bench/results/sglang_h200_raw/<run>, newest first
+
+
 def _json_object(text: str) -> str:
     """An option holding a JSON object (kept as text; argparse names the option when this raises)."""
     try:
@@ -97,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="extras.json")
     p.set_defaults(func=cmd_extras)
     p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
-    p.add_argument("--raw", default=os.path.join(RESULTS, "sglang_h200_raw", "dec01"))
-    p.add_argument("--raw-before", default=os.path.join(RESULTS, "sglang_h200_raw", "nov30"),
-                   help="earlier runs whose parts this run did not repeat (KV dtypes, first requests, TP=2)")
+    p.add_argument("--raw", nargs="+", default=[os.path.join(RESULTS, "sglang_h200_raw", d) for d in RAW_RUNS],
+                   help="folders of raw runs, newest first: each part of the report comes from the first that has "
+                        "it (dec01b: live faults after the stale-row fix; dec01: overhead, INT4; nov30: KV dtypes, TP=2)")
     p.add_argument("--results", default=RESULTS)
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("fault-engine", help=argparse.SUPPRESS)

@@ -19,12 +19,15 @@ def fault_table(faults: dict) -> list[dict]:
             row = table.setdefault(key, {"fault": ep["fault"], "kvguard": eng["mode"], "page_size": eng["page_size"],
                                          "episodes": 0, "injected": 0, "victims": 0, "victims_aborted": 0,
                                          "victims_corrupted": 0, "non_victim_mismatches": 0, "false_aborts": 0,
-                                         "unbalanced_after": 0, "requests": 0})
+                                         "unbalanced_after": 0, "requests": 0, "shared_row_steps": 0})
             row["episodes"] += 1
             row["injected"] += int(ep["injected"] and ep["fault"] != "none")
             for k in ("victims", "victims_aborted", "victims_corrupted", "non_victim_mismatches", "false_aborts",
-                      "requests"):
-                row[k] += ep[k]
+                      "requests", "shared_row_steps"):
+                row[k] += ep.get(k, 0)
+            if "twin_mismatches" in ep:  # against the twin control (the same victim aborted by SGLang itself)
+                row["twin"] = ep["twin"].rstrip("0123456789")
+                row["twin_mismatches"] = row.get("twin_mismatches", 0) + ep["twin_mismatches"]
             row["unbalanced_after"] += int(ep["balanced"] is False)
         if eng["completed"] < eng["planned"]:
             # the episodes the engine never reached (its scheduler died, or the run was cut)
@@ -120,8 +123,8 @@ def tp2_summary(raw: str) -> dict:
 
 
 def cmd_report(a) -> None:
-    def load(name):
-        for folder in (a.raw, a.raw_before):
+    def load(name):  # the newest run of each part: the first folder that has it
+        for folder in a.raw:
             path = os.path.join(folder, name)
             if os.path.exists(path):
                 with open(path) as f:
@@ -130,9 +133,9 @@ def cmd_report(a) -> None:
 
     over, faults, extras, int4 = (load("overhead_h200.json"), load("faults_h200.json"), load("extras_h200.json"),
                                   load("extras_int4.json"))
-    repeat, stale = load("overhead_repeat.json"), load("faults_stale.json")
+    repeat, watch, fixed = load("overhead_repeat.json"), load("stale_watch.json"), load("overhead_stale_fix.json")
     weights = {lab: load(f"weights_{lab}.json") for lab in ("int4", "bf16", "eager")}
-    sources = [x for x in (over, repeat, faults, stale, extras, int4, *weights.values()) if x]
+    sources = [x for x in (over, repeat, fixed, faults, watch, extras, int4, *weights.values()) if x]
     out = {"command": "; ".join(x["command"] for x in sources),
            "sglang": (over or {}).get("environment", {}).get("sglang"), "environment": (over or {}).get("environment"),
            "engine_kwargs": (over or {}).get("engine_kwargs"), "rows": [], "faults": []}
@@ -145,6 +148,7 @@ def cmd_report(a) -> None:
     if over:
         rows = overhead_rows(over, "main")
         rows += overhead_rows(repeat, "repeat") if repeat else []
+        rows += overhead_rows(fixed, "after_stale_row_fix") if fixed else []  # one more hook per decode step
         # per concurrency, the run with the most A/B pairs is the row; the others are kept as repeats
         best = {}
         for r in rows:
@@ -155,14 +159,18 @@ def cmd_report(a) -> None:
         out["host_timing"] = over.get("host_timing")
         if repeat:
             out["host_timing_repeat"] = repeat.get("host_timing")
+        if fixed:
+            out["host_timing_after_stale_row_fix"] = fixed.get("host_timing")
         out["first_requests_fresh_machine"] = {m: {k: v["wall_s"] for k, v in d.items()}
                                                for m, d in (over.get("first_requests") or {}).items()}
     if faults:
         out["faults"] = fault_table(faults)
         out["fault_engines"] = [{k: e[k] for k in ("name", "mode", "page_size", "rc", "started", "planned", "completed")}
                                 for e in faults["engines"]]
-    if stale:
-        out["faults_stale_row_repeat"] = fault_table(stale)
+    if watch:  # stale_row with the KV watch: the new owner's K/V, position by position, vs twin and clean
+        out["faults_stale_row_kv_watch"] = fault_table(watch)
+        out["stale_row_kv_first_diff"] = {f"{e['name']}/{ep['label']}": ep.get("kv_first_diff")
+                                          for e in watch["engines"] for ep in e["episodes"] if ep["fault"] == "stale_row"}
     if extras:
         out["kv_dtypes"] = {k: {x: v.get(x) for x in ("max_total_num_tokens", "requests_fit_at_context",
                                                        "peak_concurrency", "peak_decode_tok_s", "peak_itl_p50_ms",
@@ -184,8 +192,8 @@ def cmd_report(a) -> None:
     w = out.get("weights", {})
     if all(w.get(k, {}).get("decode_tok_s") for k in ("int4_gptq", "bf16")):
         out["int4_vs_bf16_single_stream_decode"] = w["int4_gptq"]["decode_tok_s"] / w["bf16"]["decode_tok_s"]
-    tp2_dir = os.path.join(a.raw_before, "tp2")
-    if os.path.isdir(tp2_dir):
+    tp2_dir = next((os.path.join(d, "tp2") for d in a.raw if os.path.isdir(os.path.join(d, "tp2"))), None)
+    if tp2_dir:
         tp2 = tp2_summary(tp2_dir)
         with open(os.path.join(a.results, "sglang_h200_tp2.json"), "w") as f:
             json.dump(tp2, f, indent=1)

@@ -165,7 +165,8 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
     e = ap.parse_args(["extras", "--out", "x"])
     assert (e.kv_dtypes, e.weights, e.name) == ("fp8_e4m3,bf16", "int4_gptq,bf16", "extras.json")
     r = ap.parse_args(["report"])
-    assert Path(r.raw) == RESULTS / "sglang_h200_raw" / "dec01" and Path(r.results) == RESULTS
+    assert [Path(x) for x in r.raw] == [RESULTS / "sglang_h200_raw" / d for d in ("dec01b", "dec01", "nov30")]
+    assert Path(r.results) == RESULTS
     with pytest.raises(SystemExit):
         ap.parse_args(["overhead"])  # --out is required
 
@@ -182,7 +183,7 @@ print("RETURNED", common.EP_DIR in sys.path)
 def _setup_env_in_child(tmp_path, pythonpath: list[str], **env):
     raw = tmp_path / "raw"
     raw.mkdir(exist_ok=True)
-    argv = ["report", "--raw", str(raw), "--raw-before", str(raw), "--results", str(tmp_path)]
+    argv = ["report", "--raw", str(raw), "--results", str(tmp_path)]
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", common.REEXEC_ENV)}
     child_env.update(env, PYTHONPATH=os.pathsep.join(pythonpath))
     return subprocess.run([sys.executable, "-c", SETUP.format(argv=argv)], cwd=tmp_path, env=child_env,
