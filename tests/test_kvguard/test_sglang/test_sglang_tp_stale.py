@@ -1,0 +1,85 @@
+"""A stale row under attention TP: the ranks agree on whom to abort before the decode step (2 gloo ranks).
+
+Each rank is a process with SGLang 0.5.23's real pools, allocator, radix tree and ScheduleBatch, kvguard's
+hooks applied by SGLang's own plugin loader. The bug happens on rank 1 only (its row pool releases a running
+request's row, which a newcomer then gets); rank 0's pools are intact. If the ranks dropped different
+requests they would run different batches and hang in the next collective, so both must abort the same
+request, each releasing it the right way: rank 1 without touching the row its newcomer owns, rank 0
+through SGLang's normal release. Afterwards both ranks' pools balance.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.sglang
+
+
+def _rank(rank: int, port: int, out) -> None:
+    os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
+    import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
+    import sglang.srt.plugins as plugins
+
+    from faultlab.sglang_rig import Rig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        plugins._plugins_loaded = False
+        plugins.load_plugins()
+        rig = Rig(16)
+        guard = rig.install()
+        batch = rig.running(20, 35)
+        victim = batch.reqs[0]
+        if rank == 1:
+            rig.req_to_token_pool.free_rows([victim.kv.req_pool_idx])  # the bug, on this rank only
+        newcomer = rig.prefill(24)
+        batch = rig.to_decode(batch, newcomer)
+        flagged = guard.stale_aborts(batch, group=dist.group.WORLD)
+        streamed = []
+        guard.abort(flagged, tree_cache=rig.tree, stream=lambda reqs, *a: streamed.extend(reqs))
+        batch.filter_batch()
+        batch.prepare_for_decode()
+        rig.sample(batch)
+        for req in batch.reqs:
+            rig.release(req)
+        free = len(rig.allocator.get_all_free_pages()) + rig.tree.evictable_size() // 16  # tree pages evictable
+        out.put({"rank": rank, "flagged": [(str(r.rid), here) for r, _, here in flagged],
+                 "streamed": [str(r.rid) for r in streamed], "victim": str(victim.rid),
+                 "finished": victim.finished(), "rows_free": len(rig.req_to_token_pool.free_slots),
+                 "rows_total": rig.req_to_token_pool.size, "pages_free": free, "pages": rig.allocator.num_pages,
+                 "locked": rig.tree.protected_size(), "messages": [m for _, m, _ in flagged]})
+    except BaseException as exc:  # reported to the test, never a silent hang
+        out.put({"rank": rank, "error": repr(exc)})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_a_stale_row_seen_by_one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        r = out.get(timeout=240)
+        results[r["rank"]] = r
+    for p in procs:
+        p.join(timeout=60)
+    assert all("error" not in r for r in results.values()), results
+    r0, r1 = results[0], results[1]
+    assert r0["victim"] == r1["victim"]
+    assert r1["flagged"] == [(r1["victim"], True)]  # stale here: released without touching the row
+    assert r0["flagged"] == [(r0["victim"], False)]  # stale on the peer only: released normally here
+    assert "stale row" in r1["messages"][0] and "peer tensor-parallel rank" in r0["messages"][0]
+    for r in (r0, r1):
+        assert r["streamed"] == [r["victim"]] and r["finished"]
+        assert r["rows_free"] == r["rows_total"], r  # every row back, the newcomer's included
+        assert r["pages_free"] == r["pages"] and r["locked"] == 0, r  # every page back, the victim's included
