@@ -251,7 +251,9 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     if not any(stale):
         out_cache_loc = original(batch, token_per_req, *args, **kwargs)
     else:
-        # NOTE: SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
+        # NOTE: reached only by a batch prepared outside update_running_batch (mixed chunked prefill), which
+        # aborts stale requests before the step otherwise (_around_update_running_batch).
+        # SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
         # row belongs to a newer request now, whose forward (possibly still in flight, overlap scheduler)
         # reads that row: the stale request's slot must never land there. For this one call its row index
         # is SGLang's padding row (a new tensor: the in-flight batch keeps its own); it is aborted at this
