@@ -28,9 +28,10 @@ import sys
 
 from faultlab.sglang_gpu.common import RESULTS, add_common
 from faultlab.sglang_gpu.extras import cmd_extras
-from faultlab.sglang_gpu.faults import DEFAULT_CLASSES, cmd_fault_engine, cmd_faults
+from faultlab.sglang_gpu.faults import cmd_fault_engine, cmd_faults
 from faultlab.sglang_gpu.overhead import cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
+from faultlab.sglang_live.plan import EPISODE_CLASSES
 
 
 RAW_RUNS = ("dec01b", "dec01", "nov30")  # bench/results/sglang_h200_raw/<run>, newest first
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_overhead)
     p = sub.add_parser("faults", help="live faults (faultlab.sglang_live), kvguard check and off")
     add_common(p)
-    p.add_argument("--classes", default=",".join(DEFAULT_CLASSES))
+    p.add_argument("--classes", default=",".join(EPISODE_CLASSES))
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--off-seeds", type=int, default=2)
     p.add_argument("--page-sizes", default="16,1", type=lambda t: [int(x) for x in t.split(",")])

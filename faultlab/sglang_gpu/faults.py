@@ -24,10 +24,8 @@ from faultlab.sglang_gpu.common import (
     setup_env,
 )
 from faultlab.sglang_gpu.probes import ABORT_LOG_ENV, FAULT_RANK_ENV
-from faultlab.sglang_live.plan import DECODE_FAULTS, REUSER_FAULTS, TWIN
+from faultlab.sglang_live.plan import EPISODE_CLASSES, TWIN
 
-# the default of --classes: every fault class, in this order, and stale_row's twin control
-DEFAULT_CLASSES = DECODE_FAULTS + REUSER_FAULTS + tuple(TWIN)
 
 
 def fault_engine(spec: dict, out_path: str) -> int:

@@ -26,6 +26,8 @@ REUSER_FAULTS = ("premature_free", "double_free", "stale_row")
 ABORT_CONTROL = "sglang_abort"
 TWIN = {ABORT_CONTROL: "stale_row"}  # a control draws its choices as its twin fault does
 FAULTS = DECODE_FAULTS + REUSER_FAULTS + (CONTROL, ABORT_CONTROL)
+# what a sweep or a GPU fault run covers by default: every fault class, in this order, and the twin control
+EPISODE_CLASSES = DECODE_FAULTS + REUSER_FAULTS + (ABORT_CONTROL,)
 
 
 class PlanError(ValueError):

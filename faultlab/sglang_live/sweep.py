@@ -22,7 +22,7 @@ import time
 
 from kvguard.settings import MODES
 
-from .plan import FAULTS
+from .plan import EPISODE_CLASSES
 
 CONFIGS = [  # (name, page size, overlap, radix)
     ("ps16-overlap", 16, True, True), ("ps16-normal", 16, False, True),
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(out_dir):
         print(f"--out: directory {out_dir!r} does not exist", file=sys.stderr)
         return 2
-    classes = [f for f in FAULTS if f != "none"]
+    classes = list(EPISODE_CLASSES)
     report, bad = {"seeds": seeds, "mode": args.mode, "configs": {}}, 0
     tmp = tempfile.mkdtemp(prefix="faultlab_sweep_")
     for name, ps, overlap, radix in configs:
