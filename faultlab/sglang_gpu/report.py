@@ -8,6 +8,7 @@ import re
 
 from faultlab.sglang_gpu.common import log
 from faultlab.sglang_gpu.workload import METRICS
+from faultlab.sglang_live.runtime import label_of
 
 
 def fault_table(faults: dict) -> list[dict]:
@@ -47,7 +48,7 @@ def rank_agreement(faults: dict) -> list[dict]:
     for eng in faults.get("engines", []):
         per = {}
         for rec in eng.get("rank_aborts", []):
-            label = rec["rid"].rsplit("-", 1)[0]
+            label = label_of(rec["rid"])
             per.setdefault(label, {}).setdefault(rec["rank"], set()).add(rec["rid"])
         for ep in eng["episodes"]:
             ranks = per.get(ep["label"], {})
@@ -75,7 +76,7 @@ def tp2_summary(raw: str) -> dict:
         events = [json.loads(x) for x in _log_lines(os.path.join(raw, f"{run}_inject.jsonl")) if x]
         per, victims, pids, faults = {}, {}, {}, {}
         for rec in aborts:
-            per.setdefault(rec["rid"].rsplit("-", 1)[0], {}).setdefault(rec["rank"], set()).add(rec["rid"])
+            per.setdefault(label_of(rec["rid"]), {}).setdefault(rec["rank"], set()).add(rec["rid"])
         for e in events:
             if e["event"] == "armed":
                 faults[e["label"]] = e["fault"]

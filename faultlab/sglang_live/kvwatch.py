@@ -22,7 +22,7 @@ torch is imported inside the functions.
 """
 from __future__ import annotations
 
-from .runtime import log
+from .runtime import label_of, log
 
 
 POISON = 0x7F  # every byte of a freshly allocated watched slot (NaN in fp8 e4m3)
@@ -36,10 +36,6 @@ class Watch:
     pending: list = []  # (step allocated, rid, position, slot, fingerprint of the poisoned slot)
     step = 0
     weights = None
-
-
-def _label(rid: str) -> str:
-    return rid.rsplit("-", 1)[0]
 
 
 def _buffers(pool):
@@ -72,7 +68,7 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     Watch.pending = [p for p in Watch.pending if p[0] > Watch.step - 2]
     for _, rid, pos, slot, poisoned in due:
         if _fingerprints(pool, [slot])[0] == poisoned:
-            log("kv_not_written", label=_label(rid), rid=rid, position=pos, slot=slot)
+            log("kv_not_written", label=label_of(rid), rid=rid, position=pos, slot=slot)
     for req in batch.reqs:
         rid = str(req.rid)
         if Watch.rids_with not in rid or req.kv.req_pool_idx is None:
@@ -83,12 +79,12 @@ def before_prepare_for_decode(batch, *args, **kwargs):
         old = Watch.seen.get(rid)
         done = 0 if old is None else max(0, len(old[0]) - 1)
         if n - 1 > done:  # the newest position may still be being written
-            log("kv_final", label=_label(rid), rid=rid, first=done, prints=prints[done:n - 1])
+            log("kv_final", label=label_of(rid), rid=rid, first=done, prints=prints[done:n - 1])
         if old is not None:
             old_slots, old_prints = old
             changed = [p for p in range(min(len(old_slots), n) - 1) if old_prints[p] != prints[p]]
             if changed:
-                log("kv_changed", label=_label(rid), rid=rid, positions=changed[:16], count=len(changed),
+                log("kv_changed", label=label_of(rid), rid=rid, positions=changed[:16], count=len(changed),
                     slots=[[old_slots[p], slots[p]] for p in changed[:16]])
         Watch.seen[rid] = (slots, prints)
     return None

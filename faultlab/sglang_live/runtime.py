@@ -31,3 +31,8 @@ def log(event: str, **fields) -> None:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
+
+
+def label_of(rid: str) -> str:
+    """The episode label of a driver's request id (``<label>-a<i>`` / ``<label>-b<i>``, harness.py)."""
+    return rid.rsplit("-", 1)[0]

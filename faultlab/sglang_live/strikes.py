@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .plan import ABORT_CONTROL, CONTROL, DECODE_FAULTS, REUSER_FAULTS, Entry
-from .runtime import State, log
+from .runtime import State, label_of, log
 
 
 def _page_size(batch) -> int:
@@ -35,7 +35,7 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     rows = [r.kv.req_pool_idx for r in batch.reqs]
     if len(set(rows)) < len(rows):  # two requests of one decode step on one req_to_token row
         shared = [str(r.rid) for r, row in zip(batch.reqs, rows) if rows.count(row) > 1]
-        log("shared_row", label=shared[0].rsplit("-", 1)[0], rids=shared,
+        log("shared_row", label=label_of(shared[0]), rids=shared,
             rows=sorted({row for row in rows if rows.count(row) > 1}))
     for entry in State.plan:
         if entry.abort is not None and any(r is entry.abort for r in batch.reqs):
