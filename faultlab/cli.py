@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its own argument parser (faultlab/gpubench.py)
+        try:
+            _check_bench_out(argv[1:])
+        except UsageError as err:
+            print(f"faultlab: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         from .gpubench import main as bench_main
 
         bench_main(argv[1:])
@@ -100,6 +105,17 @@ def main(argv=None) -> int:
     except (ScenarioError, UnknownFault, UsageError, ConfigError) as err:
         print(f"faultlab: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _check_bench_out(bench_argv) -> None:
+    """``faultlab bench --out`` (a folder, made if missing) before gpubench loads torch and a model."""
+    from .validate import check_output_dir
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out")  # NOTE: only when given; its default (gpubench.py) is the repository's bench/results
+    out = p.parse_known_args(bench_argv)[0].out
+    if out is not None:
+        check_output_dir("--out", out)
 
 
 # -- commands --------------------------------------------------------------------------------------

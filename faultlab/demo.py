@@ -29,6 +29,7 @@ PROMPTS = (
 )
 ENGINE = EngineConfig(model="smollm2", kv_dtype="fp8", weight_dtype="int4", page_size=16, num_pages=96,
                       max_running=8, prefix_cache=True, batch_invariant=True)
+REPORT = "report.json"  # the file the demo writes in --out
 MAX_TOKENS = 256  # per prompt: each request (<= 12 prompt tokens) fits the 96-page pool and the context
 
 
@@ -36,7 +37,7 @@ def check_args(args) -> None:
     """``--fault``, ``--max-tokens`` and ``--out`` before any work (UsageError / UnknownFault: exit 2)."""
     from .faults.catalog import FAULTS, get_fault
     from .scenario import fault_available
-    from .validate import UsageError, check_model, check_output_dir, check_tokens
+    from .validate import UsageError, check_model, check_output_dir, check_output_file, check_tokens
 
     get_fault(args.fault)
     if not fault_available(FAULTS[args.fault], ENGINE):
@@ -44,6 +45,7 @@ def check_args(args) -> None:
                          f"{FAULTS[args.fault].requires!r}); see `faultlab faults`")
     check_tokens("--max-tokens", args.max_tokens, 1, MAX_TOKENS)
     check_output_dir("--out", args.out)
+    check_output_file("--out", Path(args.out) / REPORT)  # not a folder of that name inside it
     check_model("the demo's model", ENGINE.model)
 
 
@@ -118,8 +120,8 @@ def _summarize(args, tok, base_reqs, runs, started) -> int:
                "tracker_on": on.to_json() | {"texts": {r.rid: tok.decode(r.output) for r in runs["on"][1]}},
                "ok": ok}
     out = Path(args.out)
-    write_json(out / "report.json", payload)
-    print(f"\nwrote {out / 'report.json'}  ({time.time() - started:.0f} s)")
+    write_json(out / REPORT, payload)
+    print(f"\nwrote {out / REPORT}  ({time.time() - started:.0f} s)")
     print("RESULT:", "victims aborted, 0 corrupted tokens returned, every other output identical"
           if ok else "UNEXPECTED: see the report")
     return 0 if ok else 1

@@ -1,14 +1,24 @@
 """Checks that run before any work: what a scenario needs from this machine, output paths, CLI numbers.
 
 Each failure raises ``UsageError`` (a ValueError; the CLI exits 2) with one message naming the field or
-flag, the value and what is allowed. Nothing here writes a file.
-"""
-import os
-from pathlib import Path
+flag, the value and what is allowed. Nothing here writes a file (an output folder is probed by creating
+and at once removing an empty file in it: permission bits do not tell root where files can be made).
 
-from .engine.choices import check_choice
+A light module at import (the SGLang harnesses check their output options with it): what needs the
+engine or torch is imported inside the function that uses it.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from .limits import LIMITS, MAX_TOKENS, check_number
-from .scenario import Scenario
+
+if TYPE_CHECKING:
+    from .scenario import Scenario
 
 DEVICES = ("cpu", "cuda", "cuda:N")
 MEMORY_SHARE = 2  # KV pages may take at most 1/MEMORY_SHARE of the device's memory
@@ -47,40 +57,81 @@ def check_tokens(flag: str, value: int, low: int = 1, high: int = MAX_TOKENS) ->
 
 
 # -- output paths ----------------------------------------------------------------------------------
-def check_output_file(flag: str, path, suffixes: tuple[str, ...] | None = None) -> Path | None:
-    """A file we may create or replace: not a directory, its folder creatable and writable."""
+def check_output_file(flag: str, path, suffixes: tuple[str, ...] | None = None, *,
+                      make_folder: bool = True) -> Path | None:
+    """A file we may create or replace: not a directory; its folder one we may create files in. A missing
+    folder passes when ``make_folder`` (the command creates it) and files can be made where it would go."""
     if path is None:
         return None
     p = Path(path)
-    if str(path).strip() == "" or p.is_dir():
-        raise UsageError(f"{flag} {str(path)!r} is not valid; give a file path, not a directory")
-    if suffixes and p.suffix.lower() not in suffixes:
-        raise UsageError(f"{flag} {str(path)!r} is not valid; the file name must end in one of {list(suffixes)}")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise UsageError(f"{flag} {str(path)!r} is not writable; give a path you may write")
-    _check_folder(flag, path, p.parent)
+    try:
+        if str(path).strip() == "" or _kind(p) == "dir":
+            raise UsageError(f"{flag} {str(path)!r} is not valid; give a file path, not a directory")
+        if suffixes and p.suffix.lower() not in suffixes:
+            raise UsageError(f"{flag} {str(path)!r} is not valid; the file name must end in one of {list(suffixes)}")
+        if _kind(p) != "missing" and not os.access(p, os.W_OK):
+            raise UsageError(f"{flag} {str(path)!r} is not writable; give a path you may write")
+        _check_folder(flag, path, p.parent, make_folder)
+    except (OSError, RuntimeError) as err:  # a path we may not look at (no search permission, a symlink loop)
+        raise UsageError(f"{flag} {str(path)!r} is not valid: {getattr(err, 'strerror', None) or err}") from None
     return p
 
 
-def check_output_dir(flag: str, path) -> Path:
-    """A folder we may create or write into."""
+def check_output_dir(flag: str, path, *, make_folder: bool = True) -> Path:
+    """A folder we may create files in; a missing one passes when ``make_folder`` (the command creates it)
+    and files can be made where it would go."""
     p = Path(path)
-    if str(path).strip() == "" or (p.exists() and not p.is_dir()):
-        raise UsageError(f"{flag} {str(path)!r} is not valid; give a folder (it is created if missing)")
-    _check_folder(flag, path, p)
+    try:
+        if str(path).strip() == "" or _kind(p) == "file":
+            made = " (it is created if missing)" if make_folder else ""
+            raise UsageError(f"{flag} {str(path)!r} is not valid; give a folder{made}, not a file")
+        _check_folder(flag, path, p, make_folder)
+    except (OSError, RuntimeError) as err:
+        raise UsageError(f"{flag} {str(path)!r} is not valid: {getattr(err, 'strerror', None) or err}") from None
     return p
 
 
-def _check_folder(flag: str, path, folder: Path) -> None:
-    """``folder`` exists as a writable directory, or its nearest existing ancestor is one."""
-    folder = folder.resolve() if str(folder) else Path.cwd()
+def _kind(path: Path) -> str:
+    """``"dir"``, ``"file"`` (anything else that exists) or ``"missing"`` (also: a file on the way)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    return "dir" if stat.S_ISDIR(mode) else "file"
+
+
+def _check_folder(flag: str, path, folder: Path, make_folder: bool) -> None:
+    """``folder`` is a directory we may create files in; a missing one must have an existing ancestor that
+    is one (the command makes the rest), and the command must be one that makes it."""
+    folder = folder.resolve()
     existing = folder
-    while not existing.exists():
+    while _kind(existing) == "missing":
         existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"{flag} {str(path)!r} is not valid: {str(existing)!r} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {str(path)!r} is not writable: no write permission in {str(existing)!r}")
+    if _kind(existing) != "dir":
+        raise UsageError(f"{flag} {str(path)!r} is not valid: {str(existing)!r} is a file, not a folder; "
+                         f"give a path in a folder")
+    if existing != folder and not make_folder:
+        raise UsageError(f"{flag} {str(path)!r} is not valid: the folder {str(folder)!r} does not exist "
+                         f"(create it first)")
+    if not _can_create_in(existing):
+        raise UsageError(f"{flag} {str(path)!r} is not writable: files cannot be created in {str(existing)!r}; "
+                         f"give a path in a folder you may write")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in ``folder``: an empty probe file made there and removed at once.
+
+    NOTE: ``os.access`` answers yes to root for /proc, /sys and read-only mounts alike; only creating a
+    file tells (mkstemp fails there). The probe's name is random, so it never replaces a file."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".faultlab-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def check_report_paths(json_out, plot) -> tuple[Path | None, Path | None]:
@@ -90,7 +141,8 @@ def check_report_paths(json_out, plot) -> tuple[Path | None, Path | None]:
     json_path = check_output_file("--json", json_out)
     if json_path is None:
         return None, None
-    plot_path = check_output_file("--plot", plot or json_path.with_suffix(".png"), PLOT_SUFFIXES)
+    flag = "--plot" if plot is not None else "--plot (default: the --json path with .png)"
+    plot_path = check_output_file(flag, plot or json_path.with_suffix(".png"), PLOT_SUFFIXES)
     if plot_path.resolve() == json_path.resolve():
         raise UsageError(f"--plot {str(plot_path)!r} is the --json path; give the plot its own file")
     return json_path, plot_path
@@ -113,6 +165,7 @@ def check_device(where: str, device) -> str:
 
 def check_model(where: str, name: str):
     """The ModelConfig of preset ``name`` (its package installed, for smollm2)."""
+    from .engine.choices import check_choice
     from .engine.config import PRESETS, get_preset
 
     check_choice(where, name, sorted(PRESETS), UsageError)

@@ -114,8 +114,34 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_outputs(a) -> None:
+    """Every output option before any work (UsageError: exit 2): ``--out`` (a folder, made if missing) and
+    ``--name`` (a file name in it); report's ``--results`` and fault-engine's ``--result`` (their folders
+    must exist: nothing creates them)."""
+    from faultlab.validate import UsageError, check_output_dir, check_output_file
+
+    if a.cmd == "report":
+        check_output_dir("--results", a.results, make_folder=False)
+        return
+    check_output_dir("--out", a.out)
+    name = getattr(a, "name", None)
+    if name is not None:
+        if name in ("", ".", "..") or os.path.basename(name) != name:
+            raise UsageError(f"--name {name!r} is not valid; give a file name (it is written in --out)")
+        check_output_file("--name", os.path.join(a.out, name))
+    if a.cmd == "fault-engine":
+        check_output_file("--result", a.result, make_folder=False)
+
+
 def main(argv=None) -> int:
+    from faultlab.validate import UsageError
+
     a = build_parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)  # for the re-execution and the results' command
+    try:
+        check_outputs(a)
+    except UsageError as err:
+        print(f"python -m faultlab.sglang_gpu {a.cmd}: error: {err}", file=sys.stderr)
+        return 2
     a.func(a)
     return 0

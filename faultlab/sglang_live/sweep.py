@@ -22,6 +22,7 @@ import time
 
 from kvguard.settings import MODES
 
+from ..validate import UsageError, check_output_file
 from .plan import EPISODE_CLASSES
 
 CONFIGS = [  # (name, page size, overlap, radix)
@@ -82,9 +83,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     seeds = _seeds(args.seeds)
     configs = [c for c in CONFIGS if not args.config or c[0] in args.config]
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        print(f"--out: directory {out_dir!r} does not exist", file=sys.stderr)
+    try:  # before any engine starts; the folder must exist (nothing here creates it)
+        check_output_file("--out", args.out, make_folder=False)
+    except UsageError as err:
+        print(f"sweep: error: {err}", file=sys.stderr)
         return 2
     classes = list(EPISODE_CLASSES)
     report, bad = {"seeds": seeds, "mode": args.mode, "configs": {}}, 0

@@ -1,14 +1,18 @@
 """Bad input to every CLI command and scenario field: exit 2, one message naming the field, the value and
 what is allowed, before any work and with nothing written. Runs that test nothing fail (exit 1)."""
+import functools
 import json
 import os
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from faultlab.cli import main
 from faultlab.report import _atomic, failures
 from faultlab.scenario import Expectations, parse
+from faultlab.validate import UsageError, check_output_dir, check_output_file
 
 SMOKE = Path(__file__).resolve().parents[2] / "scenarios" / "smoke.toml"
 # a tiny, fast scenario: 3 short requests on the tiny model
@@ -198,6 +202,132 @@ def test_output_folders_of_demo_and_eval_kv(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     bad_input(capsys, tmp_path, ["demo", "--out", str(tmp_path / "file")], "--out", "give a folder")
     bad_input(capsys, tmp_path, ["eval-kv", "--json", str(tmp_path)], "--json")
+
+
+# -- every output option of every command: refused before any work ------------------------------------
+PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """The work behind every command replaced by a failure: a bad path let through by the checks fails
+    the test instead of starting a run. Imports happen here, so a case times its checks alone."""
+    import faultlab.cli as cli
+    import faultlab.demo as demo
+    import faultlab.evalkv as evalkv
+    import faultlab.faults.catalog as catalog
+    import faultlab.gpubench as gpubench
+    import faultlab.soak as soak
+    from faultlab.sglang_gpu import cli as gpu_cli
+    from faultlab.sglang_live import sweep
+
+    def work(*args, **kwargs):
+        raise AssertionError("a bad output path reached the work")
+
+    for module, name in ((cli, "_run_cases"), (soak, "run_soak"), (demo, "run_demo"), (catalog, "catalog"),
+                         (gpubench, "main"), *((gpu_cli, f"cmd_{c}") for c in
+                                               ("overhead", "faults", "extras", "report", "fault_engine"))):
+        monkeypatch.setattr(module, name, work)
+    monkeypatch.setattr(evalkv, "eval_kv", functools.wraps(evalkv.eval_kv)(work))  # its signature is read
+    monkeypatch.setattr(sweep, "tempfile", SimpleNamespace(mkdtemp=work))  # the sweep's first write
+    return {"faultlab": main, "sweep": sweep.main, "sglang_gpu": gpu_cli.main}
+
+
+def bad_paths(tmp_path, kind: str, suffix: str = ".json") -> list[str]:
+    """Paths no command may accept for a ``kind`` ("file" or "folder") output: on /proc (files cannot be
+    made there, though os.access says root may write), under a regular file, and the other kind."""
+    (tmp_path / "file").write_text("x")
+    if kind == "folder":
+        return ["/proc/nope", "/proc", str(tmp_path / "file" / "sub"), str(tmp_path / "file")]
+    (tmp_path / f"dir{suffix}").mkdir()
+    return [f"/proc/nope/out{suffix}", f"/proc/out{suffix}", str(tmp_path / "file" / f"out{suffix}"),
+            str(tmp_path / f"dir{suffix}")]
+
+
+def refused(capsys, tmp_path, run, argv, flag: str) -> str:
+    """``run(argv)``: exit 2 within a second, one line naming ``flag``, nothing written in tmp_path."""
+    before = set(tmp_path.rglob("*"))
+    started = time.perf_counter()
+    code = run(argv)
+    elapsed = time.perf_counter() - started
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert err.count("\n") == 1 and flag in err, (flag, err)
+    assert set(tmp_path.rglob("*")) == before, "bad input must write nothing"
+    assert not os.path.exists("/proc/nope")
+    assert elapsed < 1.0, f"{argv}: {elapsed:.2f} s: the check must come before any work"
+    return err
+
+
+# (program, argv with {bad} for the path, the flag the message names, "file" or "folder", file suffix)
+OUTPUTS = [
+    ("faultlab", ["run", "{tiny}", "--json", "{bad}"], "--json", "file", ".json"),
+    ("faultlab", ["matrix", "{tiny}", "--json", "{bad}"], "--json", "file", ".json"),
+    ("faultlab", ["run", "{tiny}", "--json", "{tmp}/r.json", "--plot", "{bad}"], "--plot", "file", ".png"),
+    ("faultlab", ["matrix", "{tiny}", "--json", "{tmp}/r.json", "--plot", "{bad}"], "--plot", "file", ".png"),
+    ("faultlab", ["soak", "{tiny}", "--json", "{bad}"], "--json", "file", ".json"),
+    ("faultlab", ["faults", "--json", "{bad}"], "--json", "file", ".json"),
+    ("faultlab", ["eval-kv", "--json", "{bad}"], "--json", "file", ".json"),
+    ("faultlab", ["demo", "--out", "{bad}"], "--out", "folder", ""),
+    ("faultlab", ["bench", "--out", "{bad}", "--dry-run"], "--out", "folder", ""),
+    ("sweep", ["--out", "{bad}"], "--out", "file", ".json"),
+    ("sglang_gpu", ["overhead", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
+    ("sglang_gpu", ["extras", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
+    ("sglang_gpu", ["faults", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
+    ("sglang_gpu", ["fault-engine", "--out", "{bad}", "--spec", "s.json", "--result", "{tmp}/r.json"], "--out",
+     "folder", ""),
+    ("sglang_gpu", ["fault-engine", "--out", "{tmp}", "--spec", "s.json", "--result", "{bad}"], "--result",
+     "file", ".json"),
+    ("sglang_gpu", ["report", "--results", "{bad}"], "--results", "folder", ""),
+]
+
+
+@PROC
+@pytest.mark.parametrize("program, argv, flag, kind, suffix", OUTPUTS,
+                         ids=[f"{o[0]}-{o[1][0]}-{o[2]}" for o in OUTPUTS])
+def test_every_output_option_is_refused_before_any_work(program, argv, flag, kind, suffix, no_work, tmp_path,
+                                                         capsys):
+    tiny = write(tmp_path, TINY)
+    for bad in bad_paths(tmp_path, kind, suffix):
+        args = [a.format(bad=bad, tiny=tiny, tmp=tmp_path) for a in argv]
+        err = refused(capsys, tmp_path, no_work[program], args, flag)
+        assert repr(bad) in err, (bad, err)
+
+
+@PROC
+def test_the_default_plot_beside_the_json_is_checked(no_work, tmp_path, capsys):
+    """No --plot: the plot goes beside --json (its name with .png), and that path is checked too."""
+    (tmp_path / "r.png").mkdir()
+    argv = ["run", str(write(tmp_path, TINY)), "--json", str(tmp_path / "r.json")]
+    assert "--plot (default: the --json path with .png)" in refused(capsys, tmp_path, main, argv, "--plot")
+    argv[-1] = "/proc/nope/out.json"
+    refused(capsys, tmp_path, main, argv, "--json")
+
+
+@PROC
+def test_files_inside_output_folders_are_checked(no_work, tmp_path, capsys):
+    """demo's report.json in --out, the SGLang harness's --name in --out: a folder of that name, a path."""
+    (tmp_path / "report.json").mkdir()
+    refused(capsys, tmp_path, main, ["demo", "--out", str(tmp_path)], "--out")
+    gpu = no_work["sglang_gpu"]
+    (tmp_path / "faults.json").mkdir()
+    refused(capsys, tmp_path, gpu, ["faults", "--out", str(tmp_path), "--cpu"], "--name")
+    for name in ("sub/x.json", "..", ""):
+        refused(capsys, tmp_path, gpu, ["overhead", "--out", str(tmp_path / "o"), "--name", name], "--name")
+
+
+def test_output_checks_create_nothing(tmp_path):
+    """A path in folders yet to be made passes where the command makes them (they are not made by the
+    check, and its probe file is gone); where the command does not make them, it is refused."""
+    deep = tmp_path / "a" / "b" / "r.json"
+    assert check_output_file("--json", deep) == deep
+    assert check_output_dir("--out", tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UsageError, match="does not exist"):
+        check_output_file("--out", deep, make_folder=False)
+    with pytest.raises(UsageError, match="does not exist"):
+        check_output_dir("--results", tmp_path / "a", make_folder=False)
+    assert check_output_file("--out", tmp_path / "r.json", make_folder=False) == tmp_path / "r.json"
 
 
 # -- runs that test nothing fail ---------------------------------------------------------------------
