@@ -292,6 +292,12 @@ class TagTracker(NoopTracker):
         with self.lock:
             return transfer.land(self.tags, tickets)
 
+    def transfer_stamp(self, ticket) -> None:
+        """The writer of a transfer stamps its ticket's tags after its KV landed (``transfer.stamp``)."""
+        self._require_attached()
+        with self.lock:
+            transfer.stamp(self.tags, ticket)
+
     def transfer_violation(self, ticket, request_id: str) -> KVGuardViolation:
         """Slow path, only for a discarded transfer: the violation that aborts its request."""
         i, page, want, now, bad = transfer.first_bad(self.tags, ticket) or (0, -1, -1, -1, 0)

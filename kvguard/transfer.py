@@ -10,6 +10,9 @@ The guard rides on the tag table: tags change on every free and every allocation
 - ``issue(tags, pages)`` snapshots the target pages' tags (a device gather, no host sync);
 - ``land(tags, tickets)`` compares every ticket's snapshot with the current tags in one batched pass and
   returns one verdict per transfer (``ok``: bool, on the device, no host sync);
+- ``stamp(tags, ticket)`` is the writer's side of a transfer tag (PD decode in SGLang): after its KV
+  landed, the writer stamps the tags it was issued; a late stale write thus leaves tags the pages' new
+  owners do not expect;
 - ``guard_slots(slots, owner, ok, page_size)`` turns the flat destination slots of a batch of landing
   transfers into the slots the commit may write: a failed transfer's tokens go to the scratch page.
 
@@ -62,6 +65,15 @@ def land(table: TagTable, tickets: Sequence[TransferTicket]) -> torch.Tensor:
     bad = (table.tags[pages] != want).to(torch.int32)
     bad_per_ticket = torch.zeros(len(tickets), dtype=torch.int32, device=device).index_add_(0, owner, bad)
     return bad_per_ticket == 0
+
+
+def stamp(table: TagTable, ticket: TransferTicket) -> None:
+    """The writer's stamp after its KV landed: the target pages carry the tags of the ticket again.
+
+    A transfer whose targets kept their tags changes nothing; a late one (its targets freed and handed
+    out since) writes tags their new owners do not expect, so their next check fails (device, no sync).
+    """
+    table.tags.index_copy_(0, ticket.pages, ticket.tags)
 
 
 def guard_slots(slots: torch.Tensor, owner: torch.Tensor, ok: torch.Tensor, page_size: int,

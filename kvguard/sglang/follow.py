@@ -235,6 +235,39 @@ class PoolFollower:
             offset += seq_len - prefix_len
             self.known[row] = True
 
+    def record_prealloc(self, req, kv_loc, prefix_len: int, total_prefix_len: int) -> None:
+        """PD decode, after ``DecodePreallocQueue._pre_alloc``: the row maps the decode tree's prefix pages,
+        then the pages just allocated as the transfer's destination.
+
+        The destination's (pages, tags) are the request's transfer ticket (``req.kvguard_transfer``): what
+        the writer stamps after its KV lands (:meth:`stamp`). A late write from this transfer into pages
+        reallocated since stamps tags their new owners do not expect, and the next check fails.
+        """
+        ps, row = self.page_size, int(req.kv.req_pool_idx)
+        assert prefix_len == total_prefix_len, "a HiCache gap in a PD prealloc (hierarchical_cache is refused)"
+        assert total_prefix_len % ps == 0, f"PD prealloc prefix {total_prefix_len} is not page-aligned"
+        gens = getattr(self.req_to_token_pool, "req_generation", None)
+        if gens is not None:
+            req.kvguard_row_generation = int(gens[row])
+        self.tracker.drop(row)
+        first = total_prefix_len // ps
+        if first:
+            pages = self.req_to_token_pool.req_to_token[row, 0:total_prefix_len:ps].long() // ps
+            self.tracker.record(row, 0, pages, tags=self._prefix_tags(pages))
+        pages = kv_loc[::ps].long() // ps
+        tags = self._fresh_for(pages.numel())
+        self.tracker.record(row, first, pages, tags=tags)
+        req.kvguard_transfer = self.tracker.transfer_issue(pages, row=row, first=first)
+        self.known[row] = True
+
+    def stamp(self, ticket) -> None:
+        """The transfer writer, after its KV landed in ``ticket.pages``: stamp the tags it was handed.
+
+        A current transfer stamps the tags its pages carry (nothing changes); a late one, from a transfer
+        whose pages were freed and handed out since, stamps old tags over the new owners' (device, no sync).
+        """
+        self.tracker.transfer_stamp(ticket)
+
     def record_decode(self, batch, out_cache_loc, stale: list[bool]) -> None:
         """After alloc_for_decode (one token per request): record the entries that got a new page.
 

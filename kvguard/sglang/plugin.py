@@ -48,6 +48,7 @@ import torch
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
 from .guard import PADDING_ROW, SGLangGuard
+from .paths import KVGuardRefused
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -56,6 +57,8 @@ _PROCESSOR = f"{_SRT}.managers.scheduler_components.batch_result_processor.Sched
 _BATCH = f"{_SRT}.managers.schedule_batch.ScheduleBatch"
 _SCHEDULER = f"{_SRT}.managers.scheduler.Scheduler"
 TARGETS = {
+    "check_server_args": f"{_SRT}.server_args.ServerArgs.check_server_args",
+    "pd_pre_alloc": f"{_SRT}.disaggregation.decode.DecodePreallocQueue._pre_alloc",
     "build_kv_cache": f"{_SRT}.mem_cache.kv_cache_builder.build_kv_cache",
     "alloc_for_extend": f"{_SRT}.mem_cache.allocation.alloc_for_extend",
     "alloc_for_decode": f"{_SRT}.mem_cache.allocation.alloc_for_decode",
@@ -119,6 +122,8 @@ def register(env: Mapping[str, str] | None = None) -> bool:
     _registered_config = config
     after, around = HookType.AFTER, HookType.AROUND
     for name, fn, kind in (
+        ("check_server_args", _after_check_server_args, after),
+        ("pd_pre_alloc", _around_pd_pre_alloc, around),
         ("build_kv_cache", _after_build_kv_cache, after),
         ("alloc_for_extend", _around_alloc_for_extend, around),
         ("alloc_for_decode", _around_alloc_for_decode, around),
@@ -135,6 +140,44 @@ def register(env: Mapping[str, str] | None = None) -> bool:
         HookRegistry.register(TARGETS[name], fn, kind)
     log.info("kvguard: SGLang hooks registered (KVGUARD_MODE=check)")
     return True
+
+
+def server_refusal(server_args) -> str | None:
+    """The registry's verdict on a configuration (:mod:`kvguard.sglang.paths`): None, or why it is refused.
+
+    The model's own properties (MLA, sliding window, encoder-decoder, ...) come from SGLang's
+    ``ModelConfig`` (its config file only); a model whose config cannot be read is decided on the server
+    settings here, and on its allocator at install.
+    """
+    from .paths import facts_of, refusal
+
+    model_config = None
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        model_config = ModelConfig.from_server_args(server_args)
+    except Exception as err:  # the scheduler decides at install, on the pools it builds
+        log.debug("kvguard: model config not read before start (%s)", err)
+    return refusal(facts_of(_resolved(server_args), model_config))
+
+
+def _resolved(server_args):
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        return resolving_view(server_args)
+    except Exception:
+        return server_args
+
+
+def _after_check_server_args(result, server_args, *args, **kwargs):
+    # NOTE: runs in the process that starts SGLang (sglang.Engine, launch_server), before any scheduler
+    # is spawned: a refusal reaches the caller as this exception, not as a dead scheduler's exit code.
+    message = server_refusal(server_args)
+    if message is not None:
+        log.critical(message)
+        raise KVGuardRefused(message)
+    return None
 
 
 def _after_build_kv_cache(result, *args, **kwargs):
@@ -190,6 +233,23 @@ def guard_of(obj) -> SGLangGuard | None:
     return None
 
 
+def transfer_ticket(req):
+    """PD decode: the transfer ticket of ``req`` (its destination pages and their tags), or None.
+
+    What the transfer's writer is handed with the destination pages; after its KV lands, the writer
+    calls :func:`stamp_transfer` with it. A late write from a transfer whose pages were handed out since
+    then stamps tags their new owners do not expect, and their next check aborts them.
+    """
+    return req.__dict__.get("kvguard_transfer")
+
+
+def stamp_transfer(allocator, ticket) -> None:
+    """The writer's stamp after a transfer's KV landed in the pool set of ``allocator``."""
+    guard = guard_of(allocator)
+    if guard is not None and ticket is not None:
+        guard.stamp(ticket)
+
+
 def guards() -> list[SGLangGuard]:
     """Every guard installed in this process (one per scheduler pool set)."""
     return list(_guards)
@@ -231,9 +291,7 @@ def _around_alloc_for_extend(original, batch, *args, **kwargs):
     # the tree adopted them with), not from a later read of the table, which would accept whatever
     # corruption happened in between.
     if batch.is_dllm():
-        guard.warn_once("dllm", "kvguard: dLLM batches are not followed; their rows are not checked")
-        guard.known[rows_cpu.long()] = False
-        return result
+        raise unchecked("dllm")
     guard.record_extend(batch, out_cache_loc, rows_cpu, held)
     return result
 
@@ -243,10 +301,7 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     if guard is None:
         return original(batch, token_per_req, *args, **kwargs)
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
-        out_cache_loc = original(batch, token_per_req, *args, **kwargs)
-        guard.warn_once("decode_shape", "kvguard: multi-token / encoder-decoder decode is not followed")
-        guard.known[batch.req_pool_indices_cpu.long()] = False
-        return out_cache_loc
+        raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
     stale = guard.stale(batch)
     if not any(stale):
         out_cache_loc = original(batch, token_per_req, *args, **kwargs)
@@ -281,16 +336,44 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
         return original(req, tree_cache, *args, **kwargs)
 
 
+def unchecked(path: str) -> RuntimeError:
+    """A batch of a path the registry refuses reached a hook: stop (fail closed), never serve it unchecked.
+
+    Unreachable when the server was started through SGLang's ``check_server_args`` (refused there); this
+    is the last line of defence for a configuration that slipped past it.
+    """
+    from .paths import BY_NAME
+
+    p = BY_NAME[path]
+    message = f"kvguard: a {path} batch ({p.turned_on_by}) reached the scheduler, and kvguard does not check it: {p.why}"
+    log.critical(message)
+    return RuntimeError(message)
+
+
+def _around_pd_pre_alloc(original, queue, req, prefix_indices=None, prefix_len=None, total_prefix_len=None):
+    # PD decode: a transferred request gets its row and pages here, never through alloc_for_extend.
+    # NOTE: the row is recorded from what SGLang decided here (the decode tree's prefix match, the pages
+    # just allocated as the transfer's destination), with the allocation's own tags: the transfer
+    # writes those pages until commit, and its tags travel with the request (the transfer tags).
+    guard = guard_of(queue.token_to_kv_pool_allocator)
+    if guard is None:
+        return original(queue, req, prefix_indices, prefix_len, total_prefix_len)
+    guard._fresh = None
+    kv_loc = original(queue, req, prefix_indices, prefix_len, total_prefix_len)
+    prefix = prefix_len or 0
+    guard.record_prealloc(req, kv_loc, prefix, prefix if total_prefix_len is None else total_prefix_len)
+    return kv_loc
+
+
 def _launch(batch, what: str) -> None:
     guard = _guard_of_batch(batch)
     if guard is None or batch.is_empty():
         return
     batch._kvguard = None
     if not batch.spec_algorithm.is_none():
-        guard.warn_once("spec", "kvguard: speculative decoding is not checked (spec_prepare_for_decode)")
-        return
+        raise unchecked("speculative_decoding")
     if what == "extend" and batch.is_dllm():
-        return
+        raise unchecked("dllm")
     guard.launch(batch)
 
 

@@ -1,0 +1,185 @@
+"""Every SGLang 0.5.23 serving path kvguard knows, each ``checked`` or ``refused``: written once.
+
+A path writes, reads and releases KV through its own code, so a property shown on one path is not shown
+on another. kvguard serves a configuration only when every path it turns on is ``checked``; a path that
+is ``refused`` stops the server at start, with the reason, before SGLang launches a scheduler
+(:func:`refusal`: the launcher, exit 2; the ``ServerArgs.check_server_args`` hook for ``sglang.Engine``
+and ``launch_server``), and again at install in each scheduler (the uncovered allocator, the last line of
+defence). There is no third state: nothing is served with a warning.
+
+The same list makes the metrics' ``path`` label and the coverage table in docs/sglang.md
+(:func:`coverage_table`; a test checks the docs against it).
+
+Stdlib only: the launcher evaluates it before SGLang is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+CHECKED, REFUSED = "checked", "refused"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What kvguard decides on, read once from SGLang's server arguments and the model's config."""
+
+    disaggregation_mode: str = "null"
+    transfer_backend: str = "mooncake"
+    speculative_algorithm: str | None = None
+    hierarchical_cache: bool = False
+    hisparse: bool = False
+    pp_size: int = 1
+    tp_size: int = 1
+    dp_attention: bool = False
+    dllm: bool = False
+    pdmux: bool = False
+    overlap: bool = True
+    radix: bool = True
+    chunked: bool = True
+    mixed_chunk: bool = False
+    mla: bool = False
+    hybrid_swa: bool = False
+    hybrid_linear: bool = False
+    encoder_decoder: bool = False
+
+
+@dataclass(frozen=True)
+class Path:
+    name: str
+    status: str  # CHECKED or REFUSED
+    turned_on_by: str  # the server setting or model property that selects the path
+    why: str  # checked: what kvguard follows there; refused: what it does not follow
+    evidence: str  # checked: the test through SGLang's real code that shows a fault caught there
+    applies: Callable[[Facts], bool]
+
+
+_LIVE = "tests/test_faultlab/test_sglang_live/test_sglang_engine.py"
+_PATHS_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_paths.py"
+
+PATHS: tuple[Path, ...] = (
+    Path("extend_decode", CHECKED, "always",
+         "rows recorded at alloc_for_extend / alloc_for_decode; every token entry checked before each forward",
+         _LIVE, lambda f: True),
+    Path("overlap_scheduler", CHECKED, "default (disable_overlap_schedule=False)",
+         "the check travels with the batch copy; an in-flight batch's verdict is read with its sampled ids",
+         f"{_LIVE} (page 16)", lambda f: f.overlap),
+    Path("normal_loop", CHECKED, "disable_overlap_schedule=True", "as above, without the in-flight batch",
+         f"{_LIVE} (page 1)", lambda f: not f.overlap),
+    Path("radix_cache", CHECKED, "default (disable_radix_cache=False)",
+         "prefix pages expect the tag the tree adopted them with (checkpoint)", _LIVE, lambda f: f.radix),
+    Path("chunked_prefill", CHECKED, "chunked_prefill_size > 0",
+         "a continuing chunk keeps its recorded prefix entries", _PATHS_TEST, lambda f: f.chunked),
+    Path("mixed_chunk", CHECKED, "enable_mixed_chunk=True",
+         "the running part's check travels with the mixed batch (mix_with_running)", _PATHS_TEST,
+         lambda f: f.mixed_chunk),
+    Path("tensor_parallel", CHECKED, "tp_size > 1",
+         "each rank checks its own pools; verdicts and stale rows agree by an all-reduce (MAX)",
+         "tests/test_kvguard/test_sglang/test_sglang_tp_stale.py", lambda f: f.tp_size > 1),
+    Path("mla", CHECKED, "a model with multi-head latent attention (DeepSeek-V2/V3 style)",
+         "MLATokenToKVPool shares req_to_token and the allocators kvguard follows", _PATHS_TEST,
+         lambda f: f.mla),
+    Path("pd_decode", CHECKED, "disaggregation_mode=decode, transfer backend fake",
+         "rows recorded at DecodePreallocQueue._pre_alloc; transfer tags: a late write from an earlier "
+         "transfer stamps its stale tag on the page, and the page's next check fails", _PATHS_TEST,
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend == "fake"),
+    Path("pd_decode_transfer_backend", REFUSED, "disaggregation_mode=decode with a real transfer backend",
+         "the backend does not stamp kvguard's transfer tags after the KV lands, so a late write from an "
+         "earlier transfer into a reallocated page would go unseen", "",
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend != "fake"),
+    Path("pd_prefill", REFUSED, "disaggregation_mode=prefill",
+         "the prefill side's send path (early send, HiCache load-back racing the RDMA) is not followed", "",
+         lambda f: f.disaggregation_mode == "prefill"),
+    Path("speculative_decoding", REFUSED, "speculative_algorithm set (EAGLE, EAGLE3, NGRAM, STANDALONE, ...)",
+         "verify and draft forwards read the region alloc_for_spec_decode reserves past the committed "
+         "length, which kvguard does not record", "", lambda f: f.speculative_algorithm is not None),
+    Path("hierarchical_cache", REFUSED, "enable_hierarchical_cache=True",
+         "pages loaded back from host are allocated without the tree's checkpoint, so their expectation "
+         "is not recorded (a healthy request could be aborted)", "", lambda f: f.hierarchical_cache),
+    Path("hisparse", REFUSED, "enable_hisparse=True", "host-resident logical indices are not followed", "",
+         lambda f: f.hisparse),
+    Path("sliding_window", REFUSED, "a hybrid sliding-window model (SWATokenToKVPoolAllocator)",
+         "SWA layers read through full_to_swa_index_mapping, a second namespace kvguard does not record", "",
+         lambda f: f.hybrid_swa),
+    Path("hybrid_linear_attention", REFUSED, "a hybrid linear-attention / mamba model",
+         "mamba state slots are not followed", "", lambda f: f.hybrid_linear),
+    Path("dp_attention", REFUSED, "enable_dp_attention=True",
+         "per-DP-rank batches and their agreement are not followed", "", lambda f: f.dp_attention),
+    Path("pipeline_parallel", REFUSED, "pp_size > 1", "micro-batches across stages are not followed", "",
+         lambda f: f.pp_size > 1),
+    Path("encoder_decoder", REFUSED, "an encoder-decoder model",
+         "cross-attention rows and their multi-token decode are not followed", "", lambda f: f.encoder_decoder),
+    Path("dllm", REFUSED, "dllm_algorithm set", "diffusion blocks reuse rows outside alloc_for_extend", "",
+         lambda f: f.dllm),
+    Path("pd_multiplexing", REFUSED, "enable_pdmux=True", "split prefill/decode streams are not followed", "",
+         lambda f: f.pdmux),
+)
+BY_NAME = {p.name: p for p in PATHS}
+assert len(BY_NAME) == len(PATHS)
+
+
+class KVGuardRefused(ValueError):
+    """KVGUARD_MODE=check with a serving path kvguard does not check: the server must not start."""
+
+
+def active(facts: Facts) -> list[Path]:
+    """The paths this configuration turns on."""
+    return [p for p in PATHS if p.applies(facts)]
+
+
+def refusal(facts: Facts) -> str | None:
+    """None if every active path is checked; otherwise one message naming each refused path and why."""
+    refused = [p for p in active(facts) if p.status == REFUSED]
+    if not refused:
+        return None
+    parts = "; ".join(f"{p.name} ({p.turned_on_by}): {p.why}" for p in refused)
+    return (f"kvguard: refusing to start: KVGUARD_MODE=check, and this configuration turns on "
+            f"{'a path' if len(refused) == 1 else 'paths'} kvguard does not check: {parts}. "
+            f"Serve without {'it' if len(refused) == 1 else 'them'}, or with KVGUARD_MODE=off")
+
+
+def _get(args: Any, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def facts_of(server_args: Any, model_config: Any = None) -> Facts:
+    """Facts from SGLang's ``ServerArgs`` (resolved or raw) and, if given, its ``ModelConfig``."""
+    spec = _get(server_args, "speculative_algorithm")
+    spec = None if spec in (None, "", "NONE", "none") else str(spec)
+    mc = model_config
+    arch = str(getattr(mc, "attention_arch", "")) if mc is not None else ""
+    chunk = _get(server_args, "chunked_prefill_size", -1)
+    return Facts(
+        disaggregation_mode=str(_get(server_args, "disaggregation_mode", "null")),
+        transfer_backend=str(_get(server_args, "disaggregation_transfer_backend", "mooncake")),
+        speculative_algorithm=spec,
+        hierarchical_cache=bool(_get(server_args, "enable_hierarchical_cache", False)),
+        hisparse=bool(_get(server_args, "enable_hisparse", False)),
+        pp_size=int(_get(server_args, "pp_size", 1)),
+        tp_size=int(_get(server_args, "tp_size", 1)),
+        dp_attention=bool(_get(server_args, "enable_dp_attention", False)),
+        dllm=_get(server_args, "dllm_algorithm") is not None,
+        pdmux=bool(_get(server_args, "enable_pdmux", False)),
+        overlap=not bool(_get(server_args, "disable_overlap_schedule", False)),
+        radix=not bool(_get(server_args, "disable_radix_cache", False)),
+        chunked=isinstance(chunk, int) and chunk > 0,
+        mixed_chunk=bool(_get(server_args, "enable_mixed_chunk", False)),
+        mla=arch.endswith("MLA"),
+        hybrid_swa=bool(getattr(mc, "is_hybrid_swa", False)) if mc is not None else False,
+        hybrid_linear=bool(getattr(mc, "hybrid_linear_attn_config", None) or getattr(mc, "mamba2_config", None))
+        if mc is not None else False,
+        encoder_decoder=bool(getattr(mc, "is_encoder_decoder", False)) if mc is not None else False,
+    )
+
+
+def coverage_table() -> str:
+    """The docs' coverage table (markdown), from :data:`PATHS`."""
+    rows = ["| path | kvguard | turned on by | what is followed / why refused | shown by |",
+            "|---|---|---|---|---|"]
+    for p in PATHS:
+        rows.append(f"| `{p.name}` | **{p.status}** | {p.turned_on_by} | {p.why} | {p.evidence or '–'} |")
+    return "\n".join(rows)
+
+
+FACT_NAMES = tuple(f.name for f in fields(Facts))
