@@ -140,15 +140,15 @@ class RankTracker(TagTracker):
         return RankCheck(combined, check.rows, check.source, check.source_rows, check.entry_step,
                          check.page_div, local=local, ride=ride)
 
-    def resolve(self, check, verdict_host, request_ids) -> list[KVGuardViolation]:
+    def resolve(self, check, verdict_host, request_ids, ignore=None) -> list[KVGuardViolation]:
         """One violation per request flagged on any rank; explained locally where this rank saw it."""
         if not isinstance(check, RankCheck) or verdict_host is None:
-            return super().resolve(check, verdict_host, request_ids)
+            return super().resolve(check, verdict_host, request_ids, ignore)
         if check.ride is not None and not check.ride.landed:
             raise RuntimeError("RankTracker(piggyback=True): the check's verdict never rode an all-reduce "
                                "(pass check.ride to the model's forward, or call check.ride.combine())")
         combined = verdict_host.reshape(len(request_ids), -1).amax(1)
-        flagged = combined.nonzero().flatten().tolist()
+        flagged = [b for b in combined.nonzero().flatten().tolist() if ignore is None or not ignore[b]]
         if not flagged:
             return []
         local = check.local.cpu()  # slow path only: some request is flagged

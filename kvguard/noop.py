@@ -72,8 +72,8 @@ class NoopTracker:
         return None
 
     def resolve(self, check: Check | None, verdict_host: torch.Tensor | None,
-                request_ids: list[str]) -> list[KVGuardViolation]:
-        """Turn a host verdict into one violation per flagged request (none for the no-op)."""
+                request_ids: list[str], ignore: list[bool] | None = None) -> list[KVGuardViolation]:
+        """Turn a host verdict into one violation per flagged request not in ``ignore`` (none for the no-op)."""
         return []
 
     # -- KV transfers (phase split; see kvguard/transfer.py) ----------------------------------------

@@ -262,7 +262,12 @@ class TagTracker(NoopTracker):
                      entry_step, page_div, per_token)
 
     def resolve(self, check: Check | None, verdict_host: torch.Tensor | None,
-                request_ids: list[str]) -> list[KVGuardViolation]:
+                request_ids: list[str], ignore: list[bool] | None = None) -> list[KVGuardViolation]:
+        """The violations of a check's verdict, counted and logged once each.
+
+        ``ignore`` (per batch entry): entries whose request is already gone (aborted on an earlier
+        verdict, finished): not explained, not counted.
+        """
         if check is None or verdict_host is None:
             return []
         batch = check.rows.numel()
@@ -273,6 +278,8 @@ class TagTracker(NoopTracker):
             return []
         counts = verdict_host.reshape(batch, -1).sum(1)
         flagged = counts.nonzero().flatten().tolist()
+        if ignore is not None:
+            flagged = [b for b in flagged if not ignore[b]]
         with self.lock:
             found = [KVGuardViolation(self._explain(check, b, request_ids[b], int(counts[b]))) for b in flagged]
         for err in found:

@@ -234,6 +234,7 @@ class PoolFollower:
                 k += last - first_new
             offset += seq_len - prefix_len
             self.known[row] = True
+            batch.reqs[i].kvguard_row = row
 
     def record_prealloc(self, req, kv_loc, prefix_len: int, total_prefix_len: int) -> None:
         """PD decode, after ``DecodePreallocQueue._pre_alloc``: the row maps the decode tree's prefix pages,
@@ -259,6 +260,7 @@ class PoolFollower:
         self.tracker.record(row, first, pages, tags=tags)
         req.kvguard_transfer = self.tracker.transfer_issue(pages, row=row, first=first)
         self.known[row] = True
+        req.kvguard_row = row
 
     def stamp(self, ticket) -> None:
         """The transfer writer, after its KV landed in ``ticket.pages``: stamp the tags it was handed.
@@ -295,7 +297,14 @@ class PoolFollower:
                         (int(out_cache_loc[i]) // ps, tag))
             skip = self.to_device(stale, torch.bool)
         # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
-        self.tracker.record_decode(batch.req_pool_indices, pos, out_cache_loc, fresh=fresh, skip=skip)
+        owner_cpu, owner = self.owner_rows(batch)
+        batch._kvguard_owner = (owner_cpu, owner)  # reused by this step's check (prepare_for_decode)
+        unknown = owner_cpu < 0
+        if bool(unknown.any()):
+            unknown = unknown.to(self.device)
+            skip = unknown if skip is None else skip | unknown
+            owner = owner.clamp(min=0)
+        self.tracker.record_decode(owner, pos, out_cache_loc, fresh=fresh, skip=skip)
 
     def to_device(self, values, dtype) -> torch.Tensor:
         """A small host list on the pools' device without waiting for the stream (pinned, async copy).
@@ -307,6 +316,20 @@ class PoolFollower:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def owner_rows(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each batch entry's row as kvguard recorded it for that request (host, and on the pools' device).
+
+        NOTE: identity comes from kvguard's own record (set where SGLang gave the request its row), never
+        from the batch's device row indices: a clobbered index buffer makes the forward read another
+        request's row, and checking that row against its own expectations would pass. Expectations are
+        looked up by these rows, the table is read at the batch's rows (what attention reads). -1: a
+        request kvguard never recorded (not checked; its row is not ``known``).
+        """
+        owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in batch.reqs], dtype=torch.int64)
+        if self.device.type != "cuda":
+            return owner, owner.to(self.device)
+        return owner, owner.pin_memory().to(self.device, non_blocking=True)
 
     def stale(self, batch) -> list[bool]:
         """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""

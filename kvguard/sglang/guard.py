@@ -50,10 +50,10 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
         """
-        rows_cpu = batch.req_pool_indices_cpu
-        if rows_cpu is None:  # never read the device tensor back (that would wait for the forward in flight)
-            rows_cpu = torch.tensor([req.kv.req_pool_idx for req in batch.reqs], dtype=torch.int64)
-        known = self.known[rows_cpu.long()]
+        carried = batch.__dict__.pop("_kvguard_owner", None)
+        owner_cpu, owner = carried if carried is not None and carried[0].numel() == len(batch.reqs) \
+            else self.owner_rows(batch)
+        known = (owner_cpu >= 0) & self.known[owner_cpu.clamp(min=0)]
         n_cpu = torch.where(known, batch.seq_lens_cpu, 0)
         max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
         if max_entries == 0:
@@ -64,7 +64,7 @@ class SGLangGuard(PoolFollower):
         # Every row followed (the normal case): the batch's own device lengths, no copy at all.
         n_entries = batch.seq_lens if bool(known.all()) else self.to_device(n_cpu.tolist(), n_cpu.dtype)
         guard = self.write_guard(batch)
-        check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows, n_entries,
+        check = self.tracker.validate(self.req_to_token_pool.req_to_token, owner.clamp(min=0), n_entries,
                                       max_entries=max_entries, table_rows=rows, page_div=self.page_size,
                                       per_token=True, entries_hint=int(n_cpu.sum()), guard=guard)
         if guard is not None and any(stale):
@@ -114,8 +114,13 @@ class SGLangGuard(PoolFollower):
         if pending.ready is not None:
             pending.ready.synchronize()
         rids = [str(req.rid) for req in pending.reqs]
-        found = {err.request_id: err for err in self.tracker.resolve(pending.check, pending.verdict_host, rids)}
-        flags = [1 if rid in found or stale else 0 for rid, stale in zip(rids, pending.stale)]
+        # NOTE: a request already finished (aborted on an earlier verdict, or finished since: the overlap
+        # scheduler's in-flight batch still holds it) is neither counted nor aborted again: one violation
+        # per flagged request. Every rank skips the same requests (finishing is agreed across ranks).
+        done = [bool(req.finished() or req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
+        found = {err.request_id: err for err in
+                 self.tracker.resolve(pending.check, pending.verdict_host, rids, ignore=done)}
+        flags = [0 if d else 1 if rid in found or stale else 0 for rid, stale, d in zip(rids, pending.stale, done)]
         flags = _all_reduce_max(flags, group)
         out = []
         for req, rid, flag, stale in zip(pending.reqs, rids, flags, pending.stale):
@@ -135,7 +140,7 @@ class SGLangGuard(PoolFollower):
         """Before a decode step is prepared: (req, message, stale here) for every request whose row SGLang
         gave to another request, here or (attention TP, ``group``) on a peer rank: all ranks drop the same
         requests. A request stale only on a peer still owns its row here and is released normally."""
-        local = self.stale(batch)
+        local = [s and not req.finished() for req, s in zip(batch.reqs, self.stale(batch))]
         agreed = _all_reduce_max([int(s) for s in local], group)
         return [(req, self.stale_message(req) if here else
                  f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, stale row)", bool(here))
