@@ -183,3 +183,7 @@ def coverage_table() -> str:
 
 
 FACT_NAMES = tuple(f.name for f in fields(Facts))
+
+
+if __name__ == "__main__":  # python -m kvguard.sglang.paths: the coverage table for docs/sglang.md
+    print(coverage_table())

@@ -120,26 +120,80 @@ def register(env: Mapping[str, str] | None = None) -> bool:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     _registered_config = config
-    after, around = HookType.AFTER, HookType.AROUND
-    for name, fn, kind in (
-        ("check_server_args", _after_check_server_args, after),
-        ("pd_pre_alloc", _around_pd_pre_alloc, around),
-        ("build_kv_cache", _after_build_kv_cache, after),
-        ("alloc_for_extend", _around_alloc_for_extend, around),
-        ("alloc_for_decode", _around_alloc_for_decode, around),
-        ("release_kv_cache", _around_release_kv_cache, around),
-        ("prepare_for_extend", _after_prepare_for_extend, after),
-        ("prepare_for_decode", _after_prepare_for_decode, after),
-        ("batch_copy", _after_batch_copy, after),
-        ("mix_with_running", _after_mix_with_running, after),
-        ("process_batch_result_prefill", _around_process_batch_result_prefill, around),
-        ("process_batch_result_decode", _around_process_batch_result_decode, around),
-        ("handle_finish", _around_handle_finish, around),
-        ("update_running_batch", _around_update_running_batch, around),
-    ):
-        HookRegistry.register(TARGETS[name], fn, kind)
+    for name, (fn, kind) in hooks().items():
+        HookRegistry.register(TARGETS[name], fn, getattr(HookType, kind))
     log.info("kvguard: SGLang hooks registered (KVGUARD_MODE=check)")
     return True
+
+
+def hooks() -> dict[str, tuple]:
+    """kvguard's hook on each target of :data:`TARGETS`: (function, HookRegistry type name)."""
+    return {
+        "check_server_args": (_after_check_server_args, "AFTER"),
+        "pd_pre_alloc": (_around_pd_pre_alloc, "AROUND"),
+        "build_kv_cache": (_after_build_kv_cache, "AFTER"),
+        "alloc_for_extend": (_around_alloc_for_extend, "AROUND"),
+        "alloc_for_decode": (_around_alloc_for_decode, "AROUND"),
+        "release_kv_cache": (_around_release_kv_cache, "AROUND"),
+        "prepare_for_extend": (_after_prepare_for_extend, "AFTER"),
+        "prepare_for_decode": (_after_prepare_for_decode, "AFTER"),
+        "batch_copy": (_after_batch_copy, "AFTER"),
+        "mix_with_running": (_after_mix_with_running, "AFTER"),
+        "process_batch_result_prefill": (_around_process_batch_result_prefill, "AROUND"),
+        "process_batch_result_decode": (_around_process_batch_result_decode, "AROUND"),
+        "handle_finish": (_around_handle_finish, "AROUND"),
+        "update_running_batch": (_around_update_running_batch, "AROUND"),
+    }
+
+
+def _chain(fn):
+    """``fn`` and every function it wraps (HookRegistry's wrappers set ``__wrapped__``)."""
+    seen = []
+    while fn is not None and all(fn is not f for f in seen):
+        seen.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return seen
+
+
+def _closes_over(wrapper, fn) -> bool:
+    return any(cell.cell_contents is fn for cell in (getattr(wrapper, "__closure__", None) or ())
+               if _filled(cell))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def self_check() -> list[str]:
+    """After SGLang applied the hooks: every target of kvguard carries kvguard's hook. What is wrong, or [].
+
+    SGLang's ``HookRegistry.apply_hooks`` logs and skips a target it fails to patch, which would leave a
+    partly hooked, partly unchecked server. Checked per target: kvguard's hook function is in the wrapper
+    chain now installed there, and no SGLang module still holds the unwrapped function under that name (a
+    stale ``from X import Y`` copy that ``_propagate_patch`` missed).
+    """
+    import sys
+
+    problems = []
+    for name, (fn, _) in hooks().items():
+        target = TARGETS[name]
+        try:
+            chain = _chain(pkgutil.resolve_name(target))
+        except (ImportError, AttributeError) as err:
+            problems.append(f"{target}: cannot be resolved ({err})")
+            continue
+        if not any(_closes_over(w, fn) for w in chain):
+            problems.append(f"{target}: kvguard's hook {fn.__name__} is not applied")
+            continue
+        original, attr = chain[-1], target.rsplit(".", 1)[1]
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.startswith("sglang") and getattr(mod, "__dict__", {}).get(attr) is original:
+                problems.append(f"{mod_name}.{attr}: still the unhooked {target}")
+    return problems
 
 
 def server_refusal(server_args) -> str | None:
@@ -181,6 +235,19 @@ def _after_check_server_args(result, server_args, *args, **kwargs):
 
 
 def _after_build_kv_cache(result, *args, **kwargs):
+    # The last line of defence, in each scheduler: every hook in place, and the registry's verdict on the
+    # server settings and the model this scheduler actually loaded.
+    problems = self_check()
+    if problems:
+        raise KVGuardStartupError("kvguard: refusing to start: KVGUARD_MODE=check but SGLang did not apply "
+                                  "every kvguard hook (a partly hooked server would serve partly unchecked): "
+                                  + "; ".join(problems))
+    if kwargs.get("server_args") is not None:
+        from .paths import facts_of, refusal
+
+        message = refusal(facts_of(_resolved(kwargs["server_args"]), kwargs.get("model_config")))
+        if message is not None:
+            raise KVGuardStartupError(message)
     guard = install(result.req_to_token_pool, result.token_to_kv_pool_allocator, result.tree_cache,
                     config=_registered_config)
     guard.warm_up()

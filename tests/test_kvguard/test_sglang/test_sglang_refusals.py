@@ -1,0 +1,155 @@
+"""The path registry (kvguard.sglang.paths): every SGLang path checked or refused, and a refusal reaches
+the person who starts the server, through SGLang's real start-up code (no scheduler is spawned).
+
+- ``sglang.Engine(...)`` with KVGUARD_MODE=check and a refused path raises ``KVGuardRefused`` naming the
+  path and why, from SGLang's own ``ServerArgs.check_server_args`` (hooked), before any scheduler starts;
+  a model property (sliding window) is read from the model's config there too;
+- ``python -m kvguard.sglang.launch`` exits 2 with the same message before SGLang starts;
+- docs/sglang.md's coverage table is the registry's;
+- after SGLang applied the hooks, kvguard's self-check finds every hook, and names a target SGLang left
+  unhooked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvguard.sglang import paths
+from kvguard.sglang.paths import BY_NAME, CHECKED, PATHS, REFUSED, Facts, active, refusal
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# A Facts for each refused path, and the Engine arguments that turn it on (None: not startable here).
+REFUSED_FACTS = {
+    "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode"), {"disaggregation_mode": "decode"}),
+    "pd_prefill": (Facts(disaggregation_mode="prefill"), {"disaggregation_mode": "prefill"}),
+    "speculative_decoding": (Facts(speculative_algorithm="NGRAM"), {"speculative_algorithm": "NGRAM"}),
+    "hierarchical_cache": (Facts(hierarchical_cache=True), {"enable_hierarchical_cache": True}),
+    "hisparse": (Facts(hisparse=True), None),
+    "sliding_window": (Facts(hybrid_swa=True), "swa_model"),
+    "hybrid_linear_attention": (Facts(hybrid_linear=True), None),
+    "dp_attention": (Facts(dp_attention=True), None),
+    "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
+    "encoder_decoder": (Facts(encoder_decoder=True), None),
+    "dllm": (Facts(dllm=True), None),
+    "pd_multiplexing": (Facts(pdmux=True), None),
+}
+
+
+def test_every_path_is_checked_with_evidence_or_refused():
+    assert {p.status for p in PATHS} == {CHECKED, REFUSED}
+    assert set(REFUSED_FACTS) == {p.name for p in PATHS if p.status == REFUSED}
+    for p in PATHS:
+        if p.status == CHECKED:
+            test_file = p.evidence.split(" ")[0]
+            assert (ROOT / test_file).is_file(), f"{p.name}: evidence {p.evidence!r} is not a test file here"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_FACTS))
+def test_a_refused_path_is_named_in_the_refusal(name):
+    facts, _ = REFUSED_FACTS[name]
+    assert BY_NAME[name] in active(facts)
+    message = refusal(facts)
+    assert message is not None and name in message and BY_NAME[name].why in message
+
+
+def test_the_default_configuration_is_served():
+    assert refusal(Facts()) is None
+    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="fake", tp_size=2, mla=True,
+                         mixed_chunk=True, overlap=False)) is None
+
+
+def test_docs_coverage_table_is_the_registry():
+    docs = (ROOT / "docs" / "sglang.md").read_text()
+    assert paths.coverage_table() in docs, "regenerate docs/sglang.md's table: python -m kvguard.sglang.paths"
+
+
+_ENGINE_SCRIPT = r"""
+import json, os, sys
+os.environ["FAULTLAB_SGLANG_CPU_ROTARY"] = "1"
+def main():
+    import sglang
+    out = {}
+    for name, model, extra in json.loads(sys.argv[1]):
+        try:
+            engine = sglang.Engine(model_path=model, device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                                   page_size=1, sampling_backend="pytorch", max_total_tokens=4096,
+                                   attention_backend="torch_native", dtype="float32", **extra)
+            engine.shutdown()
+            out[name] = {"started": True}
+        except BaseException as exc:
+            out[name] = {"type": type(exc).__name__, "message": str(exc)}
+    print("RESULT " + json.dumps(out))
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _env(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "FAULTLAB_SGLANG_"))}
+    env["KVGUARD_MODE"] = mode
+    return env
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from faultlab.sglang_live.harness import write_model
+
+    tmp = tmp_path_factory.mktemp("models")
+    return {"plain": write_model(str(tmp / "plain")),
+            "swa_model": write_model(str(tmp / "swa"), {"is_hybrid_swa": True, "sliding_window": 16})}
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(300)
+def test_engine_refuses_each_refused_path_before_a_scheduler_starts(models, tmp_path):
+    cases = []
+    for name, (_, how) in REFUSED_FACTS.items():
+        if how is None:
+            continue
+        model, extra = (models[how], {}) if isinstance(how, str) else (models["plain"], how)
+        cases.append([name, model, extra])
+    script = tmp_path / "engines.py"
+    script.write_text(_ENGINE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(cases)], env=_env("check"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=280)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-4000:]
+    result = json.loads(line[len("RESULT "):])
+    for name, _, _ in cases:
+        got = result[name]
+        assert got.get("type") == "KVGuardRefused", f"{name}: {got}"
+        assert name in got["message"] and BY_NAME[name].why in got["message"]
+    assert len(cases) >= 6
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(120)
+def test_launcher_exits_2_naming_the_refused_path(models, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvguard.sglang.launch", "--model-path", models["plain"],
+                           "--device", "cpu", "--load-format", "dummy", "--speculative-algorithm", "NGRAM"],
+                          env=_env("check"), cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "speculative_decoding" in proc.stderr and BY_NAME["speculative_decoding"].why in proc.stderr
+
+
+def test_self_check_finds_every_hook_and_names_one_sglang_skipped(check_hooks, monkeypatch):
+    from kvguard.sglang.plugin import TARGETS, self_check
+
+    assert self_check() == []
+    import sglang.srt.mem_cache.allocation as allocation
+
+    hooked = allocation.alloc_for_decode
+    original = hooked
+    while getattr(original, "__wrapped__", None) is not None:
+        original = original.__wrapped__
+    monkeypatch.setattr(allocation, "alloc_for_decode", original)  # as if apply_hooks had skipped it
+    assert pkgutil.resolve_name(TARGETS["alloc_for_decode"]) is original
+    problems = self_check()
+    assert any(TARGETS["alloc_for_decode"] in p and "not applied" in p for p in problems), problems
