@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .tracker import Check, TagTracker, make_tracker
-from .violations import KVGuardViolation, Violation, log_violation
+from .violations import KVGuardViolation, Violation
 
 PEER_RANK = "peer_rank"  # reason of a violation found by another rank only
 
@@ -156,9 +156,7 @@ class RankTracker(TagTracker):
                                   else self._peer(check, b, request_ids[b], int(combined[b])))
                  for b in flagged]
         for err in found:
-            self.metrics.violations.labels(reason=err.violation.reason).inc()
-            if self.config.log_violations:
-                log_violation(err.violation)
+            self.report(err.violation)
         return found
 
     @staticmethod

@@ -16,6 +16,7 @@ CHOICES = {"mode": MODES, "backend": BACKENDS}  # the string fields of TrackerCo
 FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
               "off": False}
 _FLAG_HELP = "use 1/0, true/false, yes/no or on/off"
+HISTORY_MAX = 64  # events kept per page by the optional history ring (KVGUARD_HISTORY)
 
 
 class SettingsError(ValueError):
@@ -47,6 +48,18 @@ def _flag(name: str, value: str) -> bool:
     return FLAG_WORDS[normal]
 
 
+def _int(name: str, value: str, low: int, high: int) -> int:
+    if not value.strip():
+        raise SettingsError(f"{name}={value!r} is empty; give an integer in {low}..{high}")
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = None
+    if number is None or not low <= number <= high:
+        raise SettingsError(f"{name}={value!r} is not valid; give an integer in {low}..{high}")
+    return number
+
+
 def _is_bool_field(f) -> bool:
     return f.type in (bool, "bool")
 
@@ -60,6 +73,10 @@ class TrackerConfig:
         backend: ``triton`` (the kernel), ``torch`` (the reference) or ``auto`` (triton on CUDA); any case.
         quarantine: redirect failing entries to the scratch page before attention reads them (a bool).
         log_violations: emit one structlog event per violation (a bool).
+        incident_dir: a folder for incident records (one JSON line per flagged request, in
+            ``incidents-<pid>.jsonl``); empty (the default): none are written.
+        history: tag events kept per page for the incident records (0..HISTORY_MAX; 0, the default:
+            no ring, nothing recorded on the hot path).
 
     Raises SettingsError for an unknown or empty choice, or a non-bool boolean (``"false"`` is a
     string, and a truthy one: it is rejected rather than read as True).
@@ -69,11 +86,21 @@ class TrackerConfig:
     backend: str = "auto"
     quarantine: bool = True
     log_violations: bool = True
+    incident_dir: str = ""
+    history: int = 0
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in CHOICES:
+            if f.name == "incident_dir":
+                if not isinstance(value, str):
+                    raise SettingsError(f"incident_dir={value!r} is not a string; give a folder path or ''")
+                object.__setattr__(self, f.name, value.strip())
+            elif f.name == "history":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= HISTORY_MAX:
+                    raise SettingsError(f"history={value!r} is not valid; give an int in 0..{HISTORY_MAX} "
+                                        f"(events kept per page; 0: off)")
+            elif f.name in CHOICES:
                 object.__setattr__(self, f.name, _choice(f.name, value, CHOICES[f.name]))
             elif _is_bool_field(f) and not isinstance(value, bool):
                 raise SettingsError(f"{f.name}={value!r} is not a bool; use True or False "
@@ -81,7 +108,8 @@ class TrackerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TrackerConfig":
-        """Build from ``KVGUARD_MODE``, ``KVGUARD_BACKEND``, ``KVGUARD_QUARANTINE``, ``KVGUARD_LOG_VIOLATIONS``.
+        """Build from ``KVGUARD_MODE``, ``KVGUARD_BACKEND``, ``KVGUARD_QUARANTINE``, ``KVGUARD_LOG_VIOLATIONS``,
+        ``KVGUARD_INCIDENT_DIR``, ``KVGUARD_HISTORY``.
 
         ``overrides`` (config values) win over the environment. Any bad variable raises SettingsError
         naming the variable, its value and what is allowed.
@@ -94,6 +122,13 @@ class TrackerConfig:
                 continue
             if _is_bool_field(f):
                 values[f.name] = _flag(key, env[key])
+            elif f.name == "incident_dir":
+                if not env[key].strip():
+                    raise SettingsError(f"{key}={env[key]!r} is empty; give a folder for incident records, or "
+                                        f"leave it unset")
+                values[f.name] = env[key]
+            elif f.name == "history":
+                values[f.name] = _int(key, env[key], 0, HISTORY_MAX)
             else:  # checked here so that the message names the variable, not the field
                 values[f.name] = _choice(key, env[key], CHOICES[f.name])
         values.update(overrides)

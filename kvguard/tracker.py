@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from .metrics import metrics_for
 from .noop import Check, NoopTracker
 from .settings import TrackerConfig
-from . import transfer
+from . import incidents, transfer
 from .tags import UNSET, TagTable
 from .violations import KVGuardViolation, Violation, log_violation
 
@@ -49,6 +49,9 @@ class TagTracker(NoopTracker):
         self.expected: torch.Tensor | None = None  # int64 [num_rows, max_entries]
         self._aranges: torch.Tensor | None = None
         self.lock = threading.RLock()
+        self.history: incidents.PageHistory | None = None
+        self.incident_log = incidents.IncidentLog(self.config.incident_dir) if self.config.incident_dir else None
+        self.checks_launched = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
@@ -58,6 +61,8 @@ class TagTracker(NoopTracker):
                 raise ValueError(f"TagTracker.attach: {name}={value!r} is not valid; it must be an int >= 1")
         self.page_size = page_size
         self.tags = TagTable(num_pages, device)
+        if self.config.history:
+            self.history = incidents.PageHistory(num_pages, self.config.history, device)
         self.expected = torch.full((num_rows, max_entries), UNSET, dtype=torch.int64, device=device)
         self.expected_pages = torch.zeros((num_rows, max_entries), dtype=torch.int32, device=device)
         self._aranges = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
@@ -101,13 +106,18 @@ class TagTracker(NoopTracker):
         self._require_attached()
         self._check_pages("on_alloc", pages)
         with self.lock:
-            return self.tags.bump(pages)  # [n] tag of each slot of this allocation (a page twice: two tags)
+            fresh = self.tags.bump(pages)  # [n] tag of each slot of this allocation (a page twice: two tags)
+            if self.history is not None:
+                self.history.note(pages, fresh, incidents.ALLOC)
+            return fresh
 
     def on_free(self, pages: torch.Tensor) -> None:
         self._require_attached()
         self._check_pages("on_free", pages)
         with self.lock:
-            self.tags.bump(pages)
+            fresh = self.tags.bump(pages)
+            if self.history is not None:
+                self.history.note(pages, fresh, incidents.FREE)
 
     def record(self, row: int, first: int, pages: torch.Tensor, tags: torch.Tensor | None = None) -> None:
         self._require_attached()
@@ -256,6 +266,7 @@ class TagTracker(NoopTracker):
                                   entry_step=entry_step, page_div=page_div, per_token=per_token,
                                   quarantine=quarantine, guard=guard)
         self.metrics.checks.inc()
+        self.checks_launched += 1
         if entries_hint is not None:
             self.metrics.entries.inc(entries_hint)
         return Check(verdict, rows, source, table_rows if source_rows is None else source_rows,
@@ -283,10 +294,18 @@ class TagTracker(NoopTracker):
         with self.lock:
             found = [KVGuardViolation(self._explain(check, b, request_ids[b], int(counts[b]))) for b in flagged]
         for err in found:
-            self.metrics.violations.labels(reason=err.violation.reason).inc()
-            if self.config.log_violations:
-                log_violation(err.violation)
+            self.report(err.violation)
         return found
+
+    def report(self, violation: Violation) -> None:
+        """Count one violation, log it, and (``incident_dir`` set) write its incident record."""
+        self.metrics.violations.labels(reason=violation.reason).inc()
+        if self.incident_log is not None or self.history is not None:
+            record = incidents.record_of(violation, rank=incidents.rank(), step=self.checks_launched,
+                                         history=self.history)
+            incidents.emit(record, self.incident_log)
+        elif self.config.log_violations:
+            log_violation(violation)
 
     def transfer_issue(self, pages: torch.Tensor, *, row: int = -1, first: int = 0):
         self._require_attached()
@@ -304,6 +323,8 @@ class TagTracker(NoopTracker):
         self._require_attached()
         with self.lock:
             transfer.stamp(self.tags, ticket)
+            if self.history is not None:
+                self.history.note(ticket.pages, ticket.tags, incidents.STAMP)
 
     def transfer_violation(self, ticket, request_id: str) -> KVGuardViolation:
         """Slow path, only for a discarded transfer: the violation that aborts its request."""
@@ -311,9 +332,7 @@ class TagTracker(NoopTracker):
         err = KVGuardViolation(Violation(
             request_id=request_id, row=ticket.row, logical_position=(ticket.first + i) * self.page_size,
             page=page, expected_tag=want, found_tag=now, reason="transfer_target_changed", bad_entries=bad))
-        self.metrics.violations.labels(reason="transfer_target_changed").inc()
-        if self.config.log_violations:
-            log_violation(err.violation)
+        self.report(err.violation)
         return err
 
     def note_aborted(self, count: int = 1) -> None:

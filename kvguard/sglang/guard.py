@@ -148,8 +148,12 @@ class SGLangGuard(PoolFollower):
 
     def stale_message(self, req) -> str:
         """The abort message of a request whose row SGLang gave to another request (counted once)."""
-        self.tracker.metrics.violations.labels(reason="stale_row").inc()
-        return (f"kvguard: request {req.rid} aborted: its req_to_token row {req.kv.req_pool_idx} was "
+        from ..violations import Violation
+
+        row = int(req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else -1
+        self.tracker.report(Violation(request_id=str(req.rid), row=row, logical_position=0, page=-1,
+                                      expected_tag=-1, found_tag=None, reason="stale_row", bad_entries=0))
+        return (f"kvguard: request {req.rid} aborted: its req_to_token row {row} was "
                 f"reallocated to another request (stale row)")
 
     # -- abort and release -------------------------------------------------------------------------

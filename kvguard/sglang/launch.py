@@ -14,13 +14,16 @@ import os
 import runpy
 import sys
 
+from ..incidents import prepare_dir
 from ..settings import SettingsError, TrackerConfig
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("KVGUARD_MODE", "check")
     try:
-        TrackerConfig.from_env()
+        config = TrackerConfig.from_env()
+        if config.mode == "check":
+            prepare_dir(config.incident_dir)
     except SettingsError as err:
         print(f"kvguard: refusing to start: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -45,6 +45,7 @@ from typing import Mapping
 
 import torch
 
+from ..incidents import prepare_dir
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
 from .guard import PADDING_ROW, SGLangGuard
@@ -101,6 +102,8 @@ def register(env: Mapping[str, str] | None = None) -> bool:
     global _registered_config
     try:
         config = TrackerConfig.from_env(env)
+        if config.mode == "check":
+            prepare_dir(config.incident_dir)
     except SettingsError as err:
         raise KVGuardStartupError(f"kvguard: refusing to start: {err}. Fix the KVGUARD_* environment "
                                   f"(KVGUARD_MODE=off disables kvguard).") from None
