@@ -2,7 +2,7 @@
 import weakref
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, REGISTRY
+from prometheus_client import CollectorRegistry, Counter, Gauge, REGISTRY
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,7 @@ class Metrics:
     violations: Counter
     aborted: Counter
     uncovered: Counter
+    paths: Gauge
 
 
 # Keyed by the registry itself (weakly): an id() key is reused once a registry is freed, which
@@ -31,5 +32,8 @@ def metrics_for(registry: CollectorRegistry | None = None) -> Metrics:
             aborted=Counter("kvguard_requests_aborted", "Requests aborted by kvguard", registry=registry),
             uncovered=Counter("kvguard_pools_uncovered", "KV pools kvguard was asked to check and could not "
                               "cover (the process refuses to start)", registry=registry),
+            paths=Gauge("kvguard_path_active", "SGLang serving paths this server runs (1), by kvguard's "
+                        "verdict on each (kvguard.sglang.paths)", ["path", "status"], registry=registry,
+                        multiprocess_mode="max"),
         )
     return _BY_REGISTRY[registry]

@@ -7,7 +7,8 @@ is ``refused`` stops the server at start, with the reason, before SGLang launche
 and ``launch_server``), and again at install in each scheduler (the uncovered allocator, the last line of
 defence). There is no third state: nothing is served with a warning.
 
-The same list makes the metrics' ``path`` label and the coverage table in docs/sglang.md
+The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and the
+coverage table in docs/sglang.md
 (:func:`coverage_table`; a test checks the docs against it).
 
 Stdlib only: the launcher evaluates it before SGLang is imported.

@@ -245,12 +245,18 @@ def _after_build_kv_cache(result, *args, **kwargs):
         raise KVGuardStartupError("kvguard: refusing to start: KVGUARD_MODE=check but SGLang did not apply "
                                   "every kvguard hook (a partly hooked server would serve partly unchecked): "
                                   + "; ".join(problems))
+    active = []
     if kwargs.get("server_args") is not None:
-        from .paths import facts_of, refusal
+        from .paths import active as active_paths, facts_of, refusal
 
-        message = refusal(facts_of(_resolved(kwargs["server_args"]), kwargs.get("model_config")))
+        facts = facts_of(_resolved(kwargs["server_args"]), kwargs.get("model_config"))
+        message = refusal(facts)
         if message is not None:
             raise KVGuardStartupError(message)
+        active = active_paths(facts)
+    gauge = metrics_for().paths
+    for p in active:
+        gauge.labels(path=p.name, status=p.status).set(1)
     guard = install(result.req_to_token_pool, result.token_to_kv_pool_allocator, result.tree_cache,
                     config=_registered_config)
     guard.warm_up()
