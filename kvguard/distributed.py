@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .tracker import Check, TagTracker, make_tracker
-from .violations import KVGuardViolation, Violation
+from .violations import PEER_RANK, KVGuardViolation, Violation
 
-PEER_RANK = "peer_rank"  # reason of a violation found by another rank only
 
 
 def combine_verdict(verdict_rows: torch.Tensor, group=None) -> torch.Tensor:

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, REGISTRY
 
+from .violations import REASONS
+
 
 @dataclass(frozen=True)
 class Metrics:
@@ -36,4 +38,6 @@ def metrics_for(registry: CollectorRegistry | None = None) -> Metrics:
                         "verdict on each (kvguard.sglang.paths)", ["path", "status"], registry=registry,
                         multiprocess_mode="max"),
         )
+        for reason in REASONS:
+            _BY_REGISTRY[registry].violations.labels(reason=reason)  # each series exists from the start (0)
     return _BY_REGISTRY[registry]

@@ -6,6 +6,13 @@ import structlog
 log = structlog.get_logger("kvguard")
 
 
+# Every reason a violation can carry (the ``reason`` label of kvguard_violations_total, set up in advance so
+# that an alert's series exists before the first violation).
+PEER_RANK = "peer_rank"  # a violation found by another tensor-parallel rank only
+REASONS = ("tag_mismatch", "out_of_range", "unrecorded", "misplaced_in_page", "bad_row", "unchecked",
+           "stale_row", "transfer_target_changed", PEER_RANK)
+
+
 @dataclass(frozen=True)
 class Violation:
     """One request whose KV mapping does not match what it expects (first bad entry reported)."""
@@ -16,7 +23,7 @@ class Violation:
     page: int  # the page id the table holds there (may be out of range)
     expected_tag: int
     found_tag: int | None  # None when the page id is out of range
-    reason: str  # "tag_mismatch" | "out_of_range" | "unrecorded" | "misplaced_in_page" | "bad_row" | "unchecked"
+    reason: str  # one of REASONS
     bad_entries: int
 
 
