@@ -296,9 +296,10 @@ class PoolFollower:
                     batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
                         (int(out_cache_loc[i]) // ps, tag))
             skip = self.to_device(stale, torch.bool)
+        if fresh is None and skip is None:
+            return  # no request starts a page this step (no page was handed out): nothing to record
         # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
         owner_cpu, owner = self.owner_rows(batch)
-        batch._kvguard_owner = (owner_cpu, owner)  # reused by this step's check (prepare_for_decode)
         unknown = owner_cpu < 0
         if bool(unknown.any()):
             unknown = unknown.to(self.device)
@@ -326,10 +327,17 @@ class PoolFollower:
         looked up by these rows, the table is read at the batch's rows (what attention reads). -1: a
         request kvguard never recorded (not checked; its row is not ``known``).
         """
-        owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in batch.reqs], dtype=torch.int64)
-        if self.device.type != "cuda":
-            return owner, owner.to(self.device)
-        return owner, owner.pin_memory().to(self.device, non_blocking=True)
+        # NOTE: built once per batch composition (SGLang replaces batch.reqs on filter_batch and extends it on
+        # merge_batch, so the list object and its length tell), not once per step.
+        reqs = batch.reqs
+        cached = batch.__dict__.get("_kvguard_owner")
+        if cached is not None and cached[0] is reqs and cached[1] == len(reqs):
+            return cached[2], cached[3]
+        owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in reqs], dtype=torch.int64)
+        device = owner.to(self.device) if self.device.type != "cuda" else \
+            owner.pin_memory().to(self.device, non_blocking=True)
+        batch._kvguard_owner = (reqs, len(reqs), owner, device)
+        return owner, device
 
     def stale(self, batch) -> list[bool]:
         """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""

@@ -24,6 +24,7 @@ log = logging.getLogger("kvguard.sglang")
 ABORT_MESSAGE = "kvguard: KV page mapping broken"
 SCRATCH_SLOT = 0  # slot 0 (page 0) is SGLang's padding slot: never allocated, CUDA-graph padding writes it
 PADDING_ROW = 0  # req_to_token row 0 is SGLang's padding row: never given to a request (free rows start at 1)
+VERDICT_RING = 8  # pinned verdict buffers per verdict shape (see SGLangGuard._verdict_slot)
 
 
 @dataclass
@@ -50,15 +51,15 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
         """
-        carried = batch.__dict__.pop("_kvguard_owner", None)
-        owner_cpu, owner = carried if carried is not None and carried[0].numel() == len(batch.reqs) \
-            else self.owner_rows(batch)
+        owner_cpu, owner = self.owner_rows(batch)
         known = (owner_cpu >= 0) & self.known[owner_cpu.clamp(min=0)]
         n_cpu = torch.where(known, batch.seq_lens_cpu, 0)
         max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
         if max_entries == 0:
             return None
-        stale = self.stale(batch)
+        stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
+        if stale is None or len(stale) != len(batch.reqs):
+            stale = self.stale(batch)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
         # Every row followed (the normal case): the batch's own device lengths, no copy at all.
@@ -71,15 +72,30 @@ class SGLangGuard(PoolFollower):
             # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
             apply_guard(guard, self.to_device(stale, torch.bool))
         if on_cuda:
-            host = torch.empty(check.verdict.shape, dtype=check.verdict.dtype, pin_memory=True)
+            host, ready = self._verdict_slot(check.verdict)
             host.copy_(check.verdict, non_blocking=True)
-            ready = torch.cuda.Event()
             ready.record()
         else:
             host, ready = check.verdict, None
         pending = Pending(self, check, list(batch.reqs), host, ready, stale)
         batch._kvguard = pending
         return pending
+
+    def _verdict_slot(self, verdict: torch.Tensor):
+        """A pinned host buffer and an event for one verdict copy, reused round robin per verdict shape.
+
+        NOTE: at most two checks are in flight (the overlap scheduler's batch N, resolved after N+1 was
+        launched, plus a prefill's); a ring of VERDICT_RING slots per shape is never overwritten before its
+        verdict was read. No pinned allocation and no new event per step.
+        """
+        ring = self.__dict__.setdefault("_verdict_ring", {})
+        key = (tuple(verdict.shape), verdict.dtype)
+        slots, turn = ring.setdefault(key, ([], [0]))
+        if len(slots) < VERDICT_RING:
+            slots.append((torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True), torch.cuda.Event()))
+            return slots[-1]
+        turn[0] = (turn[0] + 1) % VERDICT_RING
+        return slots[turn[0]]
 
     def write_guard(self, batch) -> WriteGuard | None:
         """This step's KV write slots, which the check rewrites to the padding slot for flagged requests.
@@ -113,6 +129,8 @@ class SGLangGuard(PoolFollower):
         """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale)."""
         if pending.ready is not None:
             pending.ready.synchronize()
+        if group is None and not any(pending.stale) and not bool(pending.verdict_host.any()):
+            return []  # the steady state: nothing flagged, nothing to agree on
         rids = [str(req.rid) for req in pending.reqs]
         # NOTE: a request already finished (aborted on an earlier verdict, or finished since: the overlap
         # scheduler's in-flight batch still holds it) is neither counted nor aborted again: one violation

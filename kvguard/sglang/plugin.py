@@ -379,6 +379,8 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
     stale = guard.stale(batch)
+    batch._kvguard_stale = stale  # this step's check (same prepare_for_decode, same requests) reuses it
+    guard._fresh = None  # set again by this step's allocation, if it hands out pages
     if not any(stale):
         out_cache_loc = original(batch, token_per_req, *args, **kwargs)
     else:
