@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="overhead.json")
     p.add_argument("--budget", type=float, default=0, help="seconds; skip A/B pairs that would not fit")
     p.add_argument("--est", default="1:9,8:10,64:44", help="concurrency:seconds per run, before one is measured")
+    p.add_argument("--overrides", default="{}", type=_json_object,
+                   help='JSON: sglang.Engine settings over both engines\' own, e.g. \'{"disable_overlap_schedule": true}\'')
     p.set_defaults(func=cmd_overhead)
     p = sub.add_parser("faults", help="live faults (faultlab.sglang_live), kvguard check and off")
     add_common(p)

@@ -26,7 +26,7 @@ from faultlab.sglang_gpu.common import (
     vocab_of,
 )
 from faultlab.sglang_gpu.probes import TIMING_ENV
-from faultlab.sglang_gpu.workload import METRICS, compare
+from faultlab.sglang_gpu.workload import METRICS, compare, pct
 
 
 def cmd_overhead(a) -> None:
@@ -42,6 +42,8 @@ def cmd_overhead(a) -> None:
     kw = engine_kwargs(a, model=model, max_total_tokens=max_total, max_running=cmax, graph_bs=cmax,
                        chunked_prefill_size=a.chunked_prefill or None)
     kw = {k: v for k, v in kw.items() if v is not None}
+    kw.update(json.loads(a.overrides))
+    overlap = not kw.get("disable_overlap_schedule", False)
     specs = [("off", {"KVGUARD_MODE": "off"}, kw),
              ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path}, kw)]
     result = {"command": command_line(a),
@@ -83,7 +85,7 @@ def cmd_overhead(a) -> None:
                         f"{res['ttft_p99']:.3f} s  wall {res['wall_s']:.2f} s  errors {res['errors']}")
             cmp = compare(runs)
             rows.append({"concurrency": c, "page_size": a.page_size, "input_len": a.input_len,
-                         "output_len": a.output_len, **cmp})
+                         "output_len": a.output_len, "overlap": overlap, "tp": a.tp, **cmp})
             all_runs += [slim(x) for x in runs]
             log(f"c={c}: throughput x{cmp['throughput_ratio']:.4f} (A/A x{cmp['aa_throughput_ratio']:.4f}), "
                 f"itl p99 x{cmp['itl_p99_ratio']:.4f} (A/A x{cmp['aa_itl_p99_ratio']:.4f})")
@@ -99,9 +101,21 @@ def cmd_overhead(a) -> None:
             result["host_timing"] = json.load(f)
     except OSError as e:
         result["host_timing"] = {"error": str(e)}
+    attach_host_time(result)
     result["total_s"] = time.perf_counter() - t_all
     dump(a, a.name, result)
     print_rows(result)
+
+
+def attach_host_time(result: dict) -> None:
+    """Each row's kvguard host time per decode iteration: the profiler's windows (one per run of the check
+    engine) whose largest decode batch is the row's concurrency; the median of their p50s and p99s."""
+    windows = (result.get("host_timing") or {}).get("windows") or []
+    for row in result.get("rows", []):
+        ws = [w for w in windows if w["batch_max"] == row["concurrency"]]
+        row["host_windows"] = len(ws)
+        row["host_us_p50"] = pct([w["kvguard_us_per_iter_p50"] for w in ws], 50) if ws else None
+        row["host_us_p99"] = pct([w["kvguard_us_per_iter_p99"] for w in ws], 50) if ws else None
 
 
 def print_rows(result: dict) -> None:
@@ -109,6 +123,10 @@ def print_rows(result: dict) -> None:
     for row in result.get("rows", []):
         print(f"{row['concurrency']:>11} | " + " | ".join(
             f"{row[m + '_ratio']:.4f} ({row['aa_' + m + '_ratio']:.4f})" for m in METRICS))
+    for row in result.get("rows", []):
+        if row.get("host_us_p50") is not None:
+            print(f"c={row['concurrency']} overlap={row.get('overlap')}: kvguard host time per decode iteration "
+                  f"p50 {row['host_us_p50']:.1f} us, p99 {row['host_us_p99']:.1f} us ({row['host_windows']} runs)")
     ht = result.get("host_timing") or {}
     if ht.get("iterations"):
         print(f"kvguard host time per decode iteration: mean {ht['kvguard_us_per_iter_mean']:.1f} us, "

@@ -32,6 +32,10 @@ class _Prof:
         self.steps: list[float] = []  # wall seconds between decode iterations (context)
         self.last_mark = None
         self.total_iters = 0
+        self.batch: list[int] = []  # decode batch size per iteration (of the current window)
+        self.windows: list[dict] = []  # one summary per busy stretch between idle gaps (one workload run)
+        self._window_start = 0  # index into iters where the current window began
+        self._fn_start: dict[str, list] = {}  # per_fn at the window's start
 
     def timed(self, name: str, fn, around: bool = False):
         prof = self
@@ -69,18 +73,36 @@ class _Prof:
         wrapper.__module__ = getattr(fn, "__module__", None)
         return wrapper
 
-    def mark_iteration(self) -> None:
+    def mark_iteration(self, batch_size: int = 0) -> None:
         """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
         now = time.perf_counter()
         idle = self.last_mark is None or now - self.last_mark > 0.5
         if not idle:
             self.iters.append(self.acc)
             self.steps.append(now - self.last_mark)
+            self.batch.append(batch_size)
         else:
-            # The engine was idle (between workloads): write the file now, where no request waits on it.
+            # The engine was idle (between workloads): close the window, write the file now, where no
+            # request waits on it.
+            self._close_window()
             self.dump()
         self.acc, self.last_mark = 0.0, now
         self.total_iters += 1
+
+    def _close_window(self) -> None:
+        it = self.iters[self._window_start:]
+        if it:
+            fn = {k: [c - self._fn_start.get(k, [0, 0.0])[0], t - self._fn_start.get(k, [0, 0.0])[1]]
+                  for k, (c, t) in self.per_fn.items()}
+            self.windows.append({
+                "iterations": len(it), "batch_p50": pct(self.batch, 50), "batch_max": max(self.batch),
+                "kvguard_us_per_iter_p50": 1e6 * pct(it, 50), "kvguard_us_per_iter_p99": 1e6 * pct(it, 99),
+                "step_ms_p50": 1e3 * pct(self.steps[self._window_start:], 50),
+                "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * t / c}
+                                             for k, (c, t) in sorted(fn.items()) if c}})
+        self._window_start = len(self.iters)
+        self.batch = []
+        self._fn_start = {k: list(v) for k, v in self.per_fn.items()}
 
     def dump(self) -> None:
         if not self.per_fn:
@@ -93,7 +115,7 @@ class _Prof:
                 "step_ms_p50": 1e3 * pct(self.steps, 50) if self.steps else None,
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * s / c, "total_s": s}
                                              for k, (c, s) in sorted(self.per_fn.items())},
-                "pid": os.getpid()}
+                "windows": self.windows, "pid": os.getpid()}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
@@ -128,7 +150,7 @@ def register_timing() -> None:
         timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND))
         if target.endswith(".prepare_for_decode"):
             def marked(*a, **k):
-                prof.mark_iteration()
+                prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
                 return timed(*a, **k)
             marked.__module__ = timed.__module__
             return marked

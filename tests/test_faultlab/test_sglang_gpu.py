@@ -259,3 +259,26 @@ def test_sglang_and_matplotlib_are_imported_inside_functions_only():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not [n for n in names if n.split(".")[0] in ("sglang", "torch", "matplotlib")], path.name
+
+
+def test_profiler_windows_split_runs_at_idle_gaps_and_rows_pick_their_concurrency(tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(probes.time, "perf_counter", lambda: clock[0])
+    prof = probes._Prof(str(tmp_path / "t.json"))
+    for size, us, steps in ((1, 20e-6, 5), (64, 90e-6, 7)):
+        clock[0] += 10.0  # idle before each run
+        for _ in range(steps):
+            prof.mark_iteration(size)
+            prof.acc = us
+            prof.per_fn.setdefault("hook:x", [0, 0.0])[0] += 1
+            clock[0] += 0.01
+    clock[0] += 10.0
+    prof.mark_iteration(1)  # the next run closes the last window
+    assert [(w["batch_max"], w["iterations"]) for w in prof.windows] == [(1, 4), (64, 6)]
+    assert prof.windows[1]["kvguard_us_per_iter_p50"] == pytest.approx(90)
+    from faultlab.sglang_gpu.overhead import attach_host_time
+
+    result = {"host_timing": {"windows": prof.windows}, "rows": [{"concurrency": 64}, {"concurrency": 8}]}
+    attach_host_time(result)
+    assert result["rows"][0]["host_us_p50"] == pytest.approx(90) and result["rows"][0]["host_windows"] == 1
+    assert result["rows"][1]["host_us_p50"] is None
