@@ -11,9 +11,18 @@ SPEC keys (all optional except ``episodes``):
 ``device`` ("cpu"), ``page_size`` (16), ``radix`` (true), ``overlap`` (true), ``env`` (extra environment,
 e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler inherits it),
 ``max_total_tokens`` (4096), ``dtype`` (on the CPU: "float32"), ``kv_dtype`` ("auto"), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
-(``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0), ``model`` (a config dict
-merged over :data:`TINY_LLAMA`), ``episodes``: a list of ``{"label", "fault" (null: no entry), "seed",
-"workload" (optional overrides of the run's workload for this episode)}``.
+(``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0, ``wave2`` "armed"), ``model`` (a
+config dict merged over :data:`TINY_LLAMA`), ``engine`` (extra ``sglang.Engine`` keyword arguments, merged
+over the harness's own), ``pd`` (false; true: PD-disaggregated decode, see below), ``stream`` (false; true:
+every request streams, and its record keeps ``streamed``: the tokens its client received, also when it was
+aborted part-way), ``episodes``: a list of
+``{"label", "fault" (null: no entry), "seed", "workload" (optional overrides of the run's workload for this
+episode)}``.
+
+``pd``: the engine is a PD decode server with SGLang's fake transfer backend (:data:`PD_ENGINE`, under
+``engine``); every request is sent with ``bootstrap_host`` = SGLang's ``FAKE_BOOTSTRAP_HOST`` and a
+``bootstrap_room`` of its own, and faultlab plays the prefill side's KV writer (``FAULTLAB_SGLANG_PD_WRITER``,
+:mod:`.pd`), so that outputs are a function of the prompts, as with a real prefill server.
 
 An episode sends wave 1 (``n1`` requests sharing a ``prefix``-token prefix, rids ``<label>-a<i>``; a0
 first, the others once a0 decodes, so they share a0's prefix pages through the radix tree),
@@ -33,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from .plan import ENV_ACCOUNTING, ENV_DUMMY, ENV_FAULTS, ENV_LOG, ENV_ROTARY
+from .plan import ENV_ACCOUNTING, ENV_DUMMY, ENV_FAULTS, ENV_LOG, ENV_PD_WRITER, ENV_ROTARY
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
@@ -42,7 +51,14 @@ TINY_LLAMA = {
     "rope_theta": 10000.0, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     "tie_word_embeddings": False, "hidden_act": "silu",
 }
-WORKLOAD = {"n1": 4, "n2": 2, "prefix": 40, "new1": 32, "new2": 12, "seed": 0}
+WORKLOAD = {"n1": 4, "n2": 2, "prefix": 40, "new1": 32, "new2": 12, "seed": 0, "wave2": "armed"}
+# when wave 2 is sent: once the injector armed; once wave 1 finished; once wave 1 finished and the engine's
+# cache was flushed (SGLang's flush_cache: the allocator's free list restarts sorted, so wave 2 gets the
+# pages wave 1 held, first pages first)
+WAVE2 = ("armed", "finished", "flushed")
+# PD-disaggregated decode on SGLang's fake transfer backend (the configuration kvguard checks)
+PD_ENGINE = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake",
+             "disaggregation_decode_retraction_backup": "cpu_tensor"}
 
 
 def write_model(directory: str, overrides: dict | None = None) -> str:
@@ -76,16 +92,43 @@ def _read_log(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
-async def _one(engine, ids, new, rid):
+_rooms = iter(range(1, 1 << 62))  # PD: every request's bootstrap_room, distinct over the engine's life
+
+
+async def _one(engine, ids, new, rid, opts=None):
+    """One request; what its client got: ``output_ids`` or the ``error`` (and, streaming, ``streamed``: every
+    token the client received, also when the request was aborted part-way)."""
+    opts = opts or {}
+    extra = {}
+    if opts.get("pd"):
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        extra = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": next(_rooms)}
+    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+    streamed = [] if opts.get("stream") else None
     try:
-        out = await engine.async_generate(input_ids=ids, rid=rid, sampling_params={
-            "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True})
+        if streamed is None:
+            out = await engine.async_generate(input_ids=ids, rid=rid, sampling_params=params, **extra)
+        else:
+            out = None
+            async for out in await engine.async_generate(input_ids=ids, rid=rid, sampling_params=params,
+                                                         stream=True, **extra):
+                streamed = _grown(streamed, out["output_ids"])
         reason = out["meta_info"].get("finish_reason") or {}
         error = reason.get("message") if reason.get("type") == "abort" else None
-        return {"rid": rid, "output_ids": out["output_ids"], "finish_reason": reason, "error": error}
+        output = streamed if streamed is not None else out["output_ids"]
+        return {"rid": rid, "output_ids": None if error else output, "finish_reason": reason, "error": error,
+                "streamed": streamed}
     except Exception as exc:  # the client's view of an aborted request (HTTP 500 as an exception)
-        return {"rid": rid, "output_ids": None, "finish_reason": None,
+        return {"rid": rid, "output_ids": None, "finish_reason": None, "streamed": streamed,
                 "error": f"{type(exc).__name__}: {getattr(exc, 'detail', exc)}"}
+
+
+def _grown(streamed: list, chunk: list) -> list:
+    """The tokens streamed so far, after one more chunk (SGLang streams cumulative ids unless
+    ``incremental_streaming_output``; a chunk that does not extend what came before is a segment)."""
+    chunk = list(chunk)
+    return chunk if chunk[:len(streamed)] == streamed else streamed + chunk
 
 
 async def _wait_for(event, label, log_path, tasks, timeout=60.0):
@@ -97,15 +140,29 @@ async def _wait_for(event, label, log_path, tasks, timeout=60.0):
     return False
 
 
-async def _episode(engine, label, wave1, wave2, workload, log_path):
+async def _flush(engine, timeout=30.0):
+    """SGLang's flush_cache, retried while the scheduler is not idle yet (it refuses then)."""
+    t0 = time.time()
+    while True:
+        out = await engine.tokenizer_manager.flush_cache()
+        if getattr(out, "success", True) or time.time() - t0 > timeout:
+            return out
+        await asyncio.sleep(0.05)
+
+
+async def _episode(engine, label, wave1, wave2, workload, log_path, opts):
     # a0 first; the rest of wave 1 once a0 decodes (its prompt is in the radix tree then), so that
     # wave 1 shares physical prefix pages, as wave 2 does later
-    first = [asyncio.ensure_future(_one(engine, wave1[0], workload["new1"], f"{label}-a0"))]
+    first = [asyncio.ensure_future(_one(engine, wave1[0], workload["new1"], f"{label}-a0", opts))]
     await _wait_for("decoding", label, log_path, first)
-    first += [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}"))
+    first += [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}", opts))
               for i, ids in enumerate(wave1) if i > 0]
     armed = await _wait_for("armed", label, log_path, first)
-    second = [asyncio.ensure_future(_one(engine, ids, workload["new2"], f"{label}-b{i}"))
+    if workload["wave2"] in ("finished", "flushed"):
+        await asyncio.wait(first)
+    if workload["wave2"] == "flushed":
+        await _flush(engine)
+    second = [asyncio.ensure_future(_one(engine, ids, workload["new2"], f"{label}-b{i}", opts))
               for i, ids in enumerate(wave2)]
     results = await asyncio.gather(*first, *second)
     return results, armed
@@ -121,15 +178,22 @@ def run(spec: dict, out_path: str) -> int:
     log_path = os.path.join(tmp, "inject.jsonl")
     model = write_model(os.path.join(tmp, "model"), spec.get("model"))
     episodes = spec["episodes"]
+    pd = bool(spec.get("pd", False))
+    opts = {"pd": pd, "stream": bool(spec.get("stream", False))}
     plan = []
     for ep in episodes:
+        w = {**workload, **ep.get("workload", {})}
+        if w["wave2"] not in WAVE2:
+            raise ValueError(f"episode {ep['label']!r}: workload wave2 {w['wave2']!r} is not one of {WAVE2}")
         plan.append({"fault": ep.get("fault") or "none", "seed": int(ep.get("seed", 0)),
                      "rid_prefix": f"{ep['label']}-a", "reuser_prefix": f"{ep['label']}-b",
-                     "min_candidates": {**workload, **ep.get("workload", {})}["n1"], "label": ep["label"]})
+                     "min_candidates": w["n1"], "min_reusers": w["n2"], "label": ep["label"]})
     os.environ.update({ENV_FAULTS: json.dumps(plan), ENV_LOG: log_path, ENV_ACCOUNTING: "1",
                        ENV_DUMMY: str(spec.get("dummy_std", 1.0))})
     if device == "cpu":
         os.environ[ENV_ROTARY] = "1"
+    if pd:
+        os.environ[ENV_PD_WRITER] = "1"
     os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
     result = {"spec": spec, "log": log_path, "started": False, "episodes": []}
 
@@ -149,6 +213,7 @@ def run(spec: dict, out_path: str) -> int:
     kwargs["attention_backend"] = spec.get("attention_backend", "torch_native" if device == "cpu" else "triton")
     if device == "cpu":
         kwargs["dtype"] = spec.get("dtype", "float32")
+    kwargs.update({**(PD_ENGINE if pd else {}), **spec.get("engine", {})})
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
     save()
@@ -160,7 +225,8 @@ def run(spec: dict, out_path: str) -> int:
             t = time.time()
             w = {**workload, **ep.get("workload", {})}
             wave1, wave2 = prompts(w, page_size)
-            outs, armed = engine.loop.run_until_complete(_episode(engine, ep["label"], wave1, wave2, w, log_path))
+            outs, armed = engine.loop.run_until_complete(_episode(engine, ep["label"], wave1, wave2, w, log_path,
+                                                                  opts))
             end = time.time()
             record = {"label": ep["label"], "fault": ep.get("fault"), "seed": ep.get("seed", 0), "armed": armed,
                       "requests": outs, "idle_check": None, "seconds": end - t}
@@ -220,6 +286,28 @@ def watchdog(result: dict, save) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="faultlab-watchdog").start()
+
+
+def spawn(spec: dict, folder: str, name: str, timeout: float) -> tuple[int, dict | None, str]:
+    """Run one engine in a process of its own (``python -m faultlab.sglang_live.harness``), in ``folder``.
+
+    The child gets this process's environment without any ``KVGUARD_*`` / ``FAULTLAB_SGLANG_*`` (the spec's
+    ``env`` sets them). Returns (return code, the result written so far or None, the last 6,000 characters
+    of its stderr).
+    """
+    import subprocess
+
+    spec_path, out_path = os.path.join(folder, f"{name}.spec.json"), os.path.join(folder, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "FAULTLAB_SGLANG_"))}
+    proc = subprocess.run([sys.executable, "-m", "faultlab.sglang_live.harness", spec_path, out_path],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    result = None
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            result = json.load(f)
+    return proc.returncode, result, proc.stderr[-6000:]
 
 
 def main(argv=None) -> int:

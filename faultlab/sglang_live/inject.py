@@ -15,7 +15,8 @@ Environment
     candidates; default ``""``), ``reuser_prefix`` (requests whose arrival triggers the faults that
     need a reuser; default: any request that is not a candidate), ``step`` (decode step of the
     candidates at which the entry arms; default: drawn from the seed in 2..6), ``min_candidates``
-    (default 2), ``label`` (free text copied into the log). Each entry fires once.
+    (default 2), ``min_reusers`` (late_transfer_write: reusers that must decode; default 1), ``label``
+    (free text copied into the log). Each entry fires once.
 ``FAULTLAB_SGLANG_SEED``
     Seed for the comma-separated form (default 0).
 ``FAULTLAB_SGLANG_LOG``
@@ -30,10 +31,17 @@ Environment
     A diagnostic (:mod:`.kvwatch`): every decode step, compare the watched requests' KV contents with the
     step before (``kv_slot_changed``, ``kv_content_changed``, ``kv_not_written`` lines). Reads the device
     every step: never on in a measured run.
+``FAULTLAB_SGLANG_PD_WRITER=1``
+    PD decode with the fake transfer backend: faultlab plays the prefill side's KV writer (:mod:`.pd`):
+    when SGLang commits a transfer, the request's prompt K/V (a pure function of token, position and
+    layer) and its handoff token are written, and kvguard's transfer ticket is stamped. Needed by
+    ``late_transfer_write`` and by any PD episode whose outputs are compared.
 ``FAULTLAB_SGLANG_ACCOUNTING=1``
     Log SGLang's own idle accounting check (``SchedulerInvariantChecker._check_all_pools``) as
     ``{"event": "idle_check", ...}`` lines (on change, or at most every 0.3 s), with the request-row pool
-    counts and the number of duplicate pages in the allocator's free list. Implied by a fault plan.
+    counts, the number of duplicate pages in the allocator's free list, and what the scheduler ran so far
+    (``decode_steps``; ``chunk_continuations``: extends of a request that already held KV, i.e. a chunked
+    prefill's later chunks; ``mixed_batches``: prefill batches mixed with the running decodes). Implied by a fault plan.
 
 When the faults strike
 ----------------------
@@ -43,7 +51,11 @@ least ``min_candidates`` candidates, all with at least ``step`` output tokens. T
 pages and entries is a pure function of the seed, the candidates sorted by rid and their rows; it
 logs ``{"event": "armed"}``. A driver that needs a reuser sends it after reading that line.
 
-* Decode-time classes strike when armed.
+* Decode-time classes strike when armed; ``stale_batch_row`` strikes later in the same step (AFTER
+  ``prepare_for_decode``) and is undone at the next step's BEFORE hook.
+* ``late_transfer_write`` (PD decode) strikes between two decode steps, once ``min_reusers`` reusers
+  decode with ``reuser_step`` (1 or 2, from the seed) output tokens each; a driver sends the reusers
+  after the candidates finished, so that SGLang hands them the candidates' freed pages.
 * ``premature_free``, ``double_free`` and ``stale_row`` strike when a reuser request's prefill is
   allocated (AROUND ``alloc_for_extend``, before SGLang allocates), so the reuse is deterministic.
 
@@ -80,16 +92,31 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     (``ReqToTokenPool.free_rows``) and popped by the reuser's allocation while A still decodes with it.
     Victim: A (the reuser is not).
 
+``stale_batch_row``  for one decode step, after SGLang prepared it (its slots written into the rows),
+    the batch's device row indices ``batch.req_pool_indices`` of two or more candidates (not all) are
+    rotated among them (a clobbered staging buffer, TensorRT-LLM PR #15546's class), while
+    ``req_pool_indices_cpu`` and every Req keep the true rows; the forward reads the wrong rows. The true
+    rows are rebuilt from the requests before the next step is prepared. Victims: the candidates whose
+    row index now names a row with different content.
+``late_transfer_write``  PD decode only (needs ``FAULTLAB_SGLANG_PD_WRITER=1``): the transfer of a
+    candidate A that already finished lands late: faultlab writes A's K/V into A's destination slots
+    (pages SGLang freed and handed to later requests since) and stamps A's kvguard ticket, as a late
+    writer does. A is drawn from the finished candidates whose pages are held now. Victims: every live
+    request that holds one of A's pages (A is not: it finished).
+
 ``shared_row`` lines (``rids``, ``rows``) name every decode step that SGLang is about to prepare with two
 requests on one ``req_to_token`` row (a stale row still scheduled next to its new owner).
 
 Log lines (one JSON object each): ``{"event": "inject", "fault", "seed", "label", "step", "victims":
 [rid...], "rows", "pages", "entries", "page_size", "time"}``; ``decoding`` (a first candidate is in a
 decode batch: its prompt is in the radix tree now, so a driver can send the others to share its prefix
-pages); ``armed``, ``owner``, ``victim``, ``idle_check``; ``skipped`` when a fault found nothing to
-corrupt (e.g. no private page).
+pages); ``armed``, ``owner``, ``victim``, ``idle_check``; ``pools`` (once, at the first decode step: the KV
+pool's and the allocator's class names); ``transfer`` (the PD writer wrote a request's prompt KV: ``rid``,
+``row``, ``fill_len``, ``pages``, ``ticket``); ``restored`` (stale_batch_row undone); ``skipped`` when a
+fault found nothing to corrupt (e.g. no private page).
 
-Used by tests/test_faultlab/test_sglang_live/test_sglang_engine.py (through :mod:`.harness`) and :mod:`.sweep`.
+Used by tests/test_faultlab/test_sglang_live/test_sglang_engine.py and test_sglang_paths.py (through
+:mod:`.harness`) and :mod:`.sweep`.
 """
 from __future__ import annotations
 
@@ -105,6 +132,7 @@ from .plan import (
     ENV_KV_WATCH,
     ENV_KV_WATCH_RIDS,
     ENV_LOG,
+    ENV_PD_WRITER,
     ENV_ROTARY,
     ENV_SEED,
     PlanError,
@@ -117,7 +145,9 @@ TARGETS = {
     "prepare_for_decode": f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
     "alloc_for_extend": f"{_SRT}.mem_cache.allocation.alloc_for_extend",
     "alloc_for_decode": f"{_SRT}.mem_cache.allocation.alloc_for_decode",
+    "mix_with_running": f"{_SRT}.managers.schedule_batch.ScheduleBatch.mix_with_running",
     "dummy_load": f"{_SRT}.model_loader.loader.DummyModelLoader.load_model",
+    "commit_transfer": f"{_SRT}.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
     "check_all_pools": f"{_SRT}.managers.scheduler_components.invariant_checker."
                        "SchedulerInvariantChecker._check_all_pools",
 }
@@ -142,7 +172,8 @@ def register(env=None) -> bool:
     accounting = bool(plan) or env.get(ENV_ACCOUNTING) == "1"
     dummy = env.get(ENV_DUMMY)
     watch = env.get(ENV_KV_WATCH) == "1"
-    if not (plan or accounting or dummy or watch) or State.registered:
+    writer = env.get(ENV_PD_WRITER) == "1"
+    if not (plan or accounting or dummy or watch or writer) or State.registered:
         return State.registered
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -159,6 +190,14 @@ def register(env=None) -> bool:
         HookRegistry.register(TARGETS["prepare_for_decode"], strikes.before_prepare_for_decode, HookType.BEFORE)
         HookRegistry.register(TARGETS["alloc_for_extend"], strikes.around_alloc_for_extend, HookType.AROUND)
         HookRegistry.register(TARGETS["alloc_for_decode"], strikes.after_alloc_for_decode, HookType.AFTER)
+        # NOTE: registered before kvguard's hooks (SGLang loads faultlab_inject first), so this AFTER hook
+        # runs inside kvguard's: after SGLang and kvguard prepared the step, before kvguard's check.
+        HookRegistry.register(TARGETS["prepare_for_decode"], strikes.after_prepare_for_decode, HookType.AFTER)
+        HookRegistry.register(TARGETS["mix_with_running"], strikes.after_mix_with_running, HookType.AFTER)
+    if writer:
+        from . import pd
+
+        HookRegistry.register(TARGETS["commit_transfer"], pd.after_commit_transfer, HookType.AFTER)
     if watch:
         from . import kvwatch
 
@@ -208,5 +247,6 @@ def _after_check_all_pools(result, checker, *args, **kwargs):
         State.last_idle, State.last_idle_time = state, now
         log("idle_check", leak=bool(has_leak), messages=list(messages), req_free=len(rpool.free_slots),
             req_total=req_total, free_dups=dups, decode_steps=State.decode_steps,
+            chunk_continuations=State.chunk_continuations, mixed_batches=State.mixed_batches,
             balanced=not has_leak and len(rpool.free_slots) == req_total and dups == 0)
     return None

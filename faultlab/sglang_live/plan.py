@@ -16,6 +16,7 @@ ENV_DUMMY = "FAULTLAB_SGLANG_DUMMY_INIT"
 ENV_ACCOUNTING = "FAULTLAB_SGLANG_ACCOUNTING"
 ENV_KV_WATCH = "FAULTLAB_SGLANG_KV_WATCH"
 ENV_KV_WATCH_RIDS = "FAULTLAB_SGLANG_KV_WATCH_RIDS"
+ENV_PD_WRITER = "FAULTLAB_SGLANG_PD_WRITER"
 
 DECODE_FAULTS = ("swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry")
 CONTROL = "none"  # arms and logs like a fault, corrupts nothing (the fault-free episode of a driver)
@@ -25,8 +26,16 @@ REUSER_FAULTS = ("premature_free", "double_free", "stale_row")
 # nothing: the run a stale_row episode's other requests are compared with.
 ABORT_CONTROL = "sglang_abort"
 TWIN = {ABORT_CONTROL: "stale_row"}  # a control draws its choices as its twin fault does
-FAULTS = DECODE_FAULTS + REUSER_FAULTS + (CONTROL, ABORT_CONTROL)
-# what a sweep or a GPU fault run covers by default: every fault class, in this order, and the twin control
+# Armed like a decode fault; strikes after SGLang prepared the step (ScheduleBatch.prepare_for_decode,
+# AFTER) and is undone before the next step is prepared.
+ROW_FAULTS = ("stale_batch_row",)
+# PD decode only (disaggregation_mode="decode", fake transfer backend, faultlab's prefill writer on):
+# strikes between two decode steps of the reusers, once every reuser decodes.
+PD_FAULTS = ("late_transfer_write",)
+FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + (CONTROL, ABORT_CONTROL)
+# what a sweep or a GPU fault run covers by default: the classes of the plain serving path (the aggregated
+# engine), in this order, and the twin control. ROW_FAULTS and PD_FAULTS are run by
+# tests/test_faultlab/test_sglang_live/test_sglang_paths.py.
 EPISODE_CLASSES = DECODE_FAULTS + REUSER_FAULTS + (ABORT_CONTROL,)
 
 
@@ -42,6 +51,7 @@ class Entry:
     reuser_prefix: str | None = None
     step: int | None = None
     min_candidates: int = 2
+    min_reusers: int = 1  # late_transfer_write: reusers that must decode before it strikes
     label: str = ""
     # runtime state
     decoding: bool = False  # a candidate reached a decode batch (logged once: a driver's cue)
@@ -51,6 +61,9 @@ class Entry:
     rng: random.Random | None = None
     watch: dict | None = None  # double_free: page -> copies left to hand out, receivers
     abort: object = None  # sglang_abort: the request to abort at its next decode step
+    pending: bool = False  # stale_batch_row: armed at this step's BEFORE hook, strikes at its AFTER hook
+    clobbered: object = None  # stale_batch_row: the batch whose device rows are wrong until the next step
+    reuser_step: int = 0  # late_transfer_write: the reusers' output tokens when it strikes (1 or 2)
 
     def __post_init__(self):
         if self.fault not in FAULTS:
@@ -58,6 +71,10 @@ class Entry:
         self.rng = random.Random(f"{TWIN.get(self.fault, self.fault)}:{self.seed}")
         if self.step is None:
             self.step = self.rng.randint(2, 6)
+        if self.fault == "late_transfer_write":
+            # NOTE: at a reuser's first or second decode step: the handoff token (and at most one decode
+            # token) came from the KV the transfer wrote; every later token would read the late write.
+            self.reuser_step = self.rng.randint(1, 2)
 
     def is_candidate(self, req) -> bool:
         return str(req.rid).startswith(self.rid_prefix)
@@ -82,14 +99,14 @@ def parse_plan(text: str, seed: int | str = 0) -> list[Entry]:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"{ENV_FAULTS}: not valid JSON ({exc})") from None
-        keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "label"}
+        keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "min_reusers", "label"}
         if not isinstance(raw, list):
             raise PlanError(f"{ENV_FAULTS}: a JSON list of entries is expected, got {type(raw).__name__}")
         entries = []
         for item in raw:
             if not isinstance(item, dict) or set(item) - keys or "fault" not in item:
                 raise PlanError(f"{ENV_FAULTS}: entry {item!r}: needs 'fault'; allowed keys are {sorted(keys)}")
-            for key in ("seed", "step", "min_candidates"):
+            for key in ("seed", "step", "min_candidates", "min_reusers"):
                 if item.get(key) is not None and (not isinstance(item[key], int) or isinstance(item[key], bool)
                                                   or item[key] < 0):
                     raise PlanError(f"{ENV_FAULTS}: entry {item!r}: {key} must be an integer >= 0")

@@ -20,6 +20,12 @@ class State:
     last_idle_time: float = 0.0
     registered = False
     decode_steps = 0  # decode batches prepared in this process (reported on idle_check lines)
+    chunk_continuations = 0  # extends of a request that already held KV (a chunked prefill's next chunk)
+    mixed_batches = 0  # prefill batches that took the running decode requests in (ScheduleBatch.mix_with_running)
+    # PD decode, faultlab's prefill writer (faultlab/sglang_live/pd.py): rid -> the transfer it wrote
+    # (the writer's own record: row, slots, tokens, kvguard's ticket), kept after the request finished
+    transfers: dict = {}
+    kv_tables: dict = {}  # the writer's K/V tables, by (layer, heads, dims, vocab) (pd.kv_values)
 
 
 def log(event: str, **fields) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan import ABORT_CONTROL, CONTROL, DECODE_FAULTS, REUSER_FAULTS, Entry
+from .plan import ABORT_CONTROL, CONTROL, DECODE_FAULTS, PD_FAULTS, REUSER_FAULTS, ROW_FAULTS, Entry
 from .runtime import State, label_of, log
 
 
@@ -32,6 +32,13 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     if batch.is_empty():
         return None
     State.decode_steps += 1
+    if State.decode_steps == 1:  # what this engine runs on, once (a test names the path it exercised)
+        allocator = batch.token_to_kv_pool_allocator
+        log("pools", kv_pool=type(allocator.get_kvcache()).__name__, allocator=type(allocator).__name__,
+            page_size=_page_size(batch))
+    for entry in State.plan:
+        if entry.clobbered is not None:
+            _restore_rows(entry, batch)
     rows = [r.kv.req_pool_idx for r in batch.reqs]
     if len(set(rows)) < len(rows):  # two requests of one decode step on one req_to_token row
         shared = [str(r.rid) for r, row in zip(batch.reqs, rows) if rows.count(row) > 1]
@@ -40,6 +47,13 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     for entry in State.plan:
         if entry.abort is not None and any(r is entry.abort for r in batch.reqs):
             _abort_as_sglang_does(entry)
+        if entry.armed and not entry.done and entry.fault in PD_FAULTS:
+            reusers = [r for r in batch.reqs if entry.is_reuser(r) and not r.finished()]
+            if len(reusers) >= entry.min_reusers and min(len(r.output_ids) for r in reusers) >= entry.reuser_step:
+                from .pd import strike_late_write
+
+                entry.done = True
+                strike_late_write(entry, batch)
         if entry.armed or entry.done:
             continue
         if not entry.decoding and any(entry.is_candidate(r) for r in batch.reqs):
@@ -57,7 +71,60 @@ def before_prepare_for_decode(batch, *args, **kwargs):
         elif entry.fault in DECODE_FAULTS:
             entry.done = True
             _strike_decode(entry, batch)
+        elif entry.fault in ROW_FAULTS:
+            entry.pending = True  # strikes once SGLang prepared this step (after_prepare_for_decode)
     return None
+
+
+def after_prepare_for_decode(result, batch, *args, **kwargs):
+    """stale_batch_row: the step is prepared (its slots written into req_to_token, kvguard's bookkeeping
+    done); its device row indices are clobbered before the forward (and kvguard's check) reads them."""
+    for entry in State.plan:
+        if entry.pending and not batch.is_empty():
+            entry.pending, entry.done = False, True
+            _strike_rows(entry, batch)
+    return None
+
+
+def _strike_rows(entry: Entry, batch) -> None:
+    """Two or more candidates' entries of ``batch.req_pool_indices`` rotated (a clobbered staging buffer,
+    TensorRT-LLM PR #15546's class); ``req_pool_indices_cpu`` and every Req keep the true rows."""
+    import torch
+
+    table = batch.req_to_token_pool.req_to_token
+    where = {id(r): i for i, r in enumerate(batch.reqs)}
+    cands = [r for r in entry.candidates if id(r) in where and not r.finished()]
+    if len(cands) < 2:
+        return log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label,
+                   reason="fewer than two candidates in the batch")
+    rng = entry.rng
+    chosen = rng.sample(cands, rng.randint(2, max(2, len(cands) - 1)))  # at least one candidate left alone
+    rows = batch.req_pool_indices.clone()
+    true = [int(rows[where[id(r)]]) for r in chosen]
+    given = true[1:] + true[:1]
+    seq_lens = batch.seq_lens_cpu.tolist()
+    victims = []
+    for r, t, g in zip(chosen, true, given):
+        i = where[id(r)]
+        rows[i] = g
+        n = int(seq_lens[i])
+        if not torch.equal(table[t, :n], table[g, :n]):
+            victims.append(r)
+    batch.req_pool_indices = rows  # a new tensor: an in-flight batch keeps its own
+    entry.clobbered = batch
+    _log_inject(entry, victims, rows=true, given=given, rids=[str(r.rid) for r in chosen])
+
+
+def _restore_rows(entry: Entry, batch) -> None:
+    """Before the next step is prepared: every request's true row again, rebuilt from the requests (the
+    truth for any batch, whether or not it still holds the clobbered requests)."""
+    import torch
+
+    rows = batch.req_pool_indices
+    batch.req_pool_indices = torch.tensor([int(r.kv.req_pool_idx) for r in batch.reqs], dtype=rows.dtype,
+                                          device=rows.device)
+    entry.clobbered = None
+    log("restored", fault=entry.fault, seed=entry.seed, label=entry.label)
 
 
 def _abort_as_sglang_does(entry: Entry) -> None:
@@ -145,6 +212,7 @@ def _log_inject(entry: Entry, victims: list, **fields) -> None:
 
 
 def around_alloc_for_extend(original, batch, *args, **kwargs):
+    State.chunk_continuations += sum(bool(r.kv.holds_kv) for r in batch.reqs)
     for entry in State.plan:
         if entry.armed and not entry.done and entry.fault in REUSER_FAULTS + (ABORT_CONTROL,):
             if any(entry.is_reuser(r) and not r.kv.holds_kv for r in batch.reqs):
@@ -159,6 +227,11 @@ def around_alloc_for_extend(original, batch, *args, **kwargs):
             offset += int(ext)
         _watch(batch, out_cache_loc, owners)
     return result
+
+
+def after_mix_with_running(result, batch, *args, **kwargs):
+    State.mixed_batches += 1
+    return None
 
 
 def after_alloc_for_decode(out_cache_loc, batch, token_per_req=1, *args, **kwargs):
