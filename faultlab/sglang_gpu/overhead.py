@@ -91,9 +91,11 @@ def cmd_overhead(a) -> None:
                 f"itl p99 x{cmp['itl_p99_ratio']:.4f} (A/A x{cmp['aa_itl_p99_ratio']:.4f})")
             result["rows"], result["runs"], result["skipped"] = rows, all_runs, skipped
             dump(a, a.name, result)  # keep what is measured so far
-        # one tiny request after the last run: the profiler writes its file at an idle boundary
-        workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag="flush")
-        workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag="flush2")
+        # tiny requests after the last run, each after an idle gap: the profiler closes the last run's
+        # window and writes its file at an idle boundary
+        for tag in ("flush", "flush2"):
+            time.sleep(1.0)
+            workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag=tag)
     finally:
         stop_all(workers)
     try:
@@ -107,12 +109,15 @@ def cmd_overhead(a) -> None:
     print_rows(result)
 
 
+MIN_WINDOW = 10  # decode iterations: shorter windows are the flush requests, not a measured run
+
+
 def attach_host_time(result: dict) -> None:
     """Each row's kvguard host time per decode iteration: the profiler's windows (one per run of the check
     engine) whose largest decode batch is the row's concurrency; the median of their p50s and p99s."""
     windows = (result.get("host_timing") or {}).get("windows") or []
     for row in result.get("rows", []):
-        ws = [w for w in windows if w["batch_max"] == row["concurrency"]]
+        ws = [w for w in windows if w["batch_max"] == row["concurrency"] and w["iterations"] >= MIN_WINDOW]
         row["host_windows"] = len(ws)
         row["host_us_p50"] = pct([w["kvguard_us_per_iter_p50"] for w in ws], 50) if ws else None
         row["host_us_p99"] = pct([w["kvguard_us_per_iter_p99"] for w in ws], 50) if ws else None

@@ -104,9 +104,14 @@ class _Prof:
         self.batch = []
         self._fn_start = {k: list(v) for k, v in self.per_fn.items()}
 
+    def final(self) -> None:
+        """At exit: the last run's window too."""
+        self._close_window()
+        self.dump()
+
     def dump(self) -> None:
-        if not self.per_fn:
-            return  # a process where kvguard never ran (the worker, the detokenizer): leave the file alone
+        if not self.per_fn or not self.total_iters:
+            return  # a process that never decoded (the engine's own process, the detokenizer): leave the file alone
         it = self.iters
         data = {"iterations": len(it),
                 "kvguard_us_per_iter_mean": 1e6 * sum(it) / len(it) if it else None,
@@ -143,7 +148,7 @@ def register_timing() -> None:
     prof = _PROF = _Prof(path)
     import atexit
 
-    atexit.register(prof.dump)
+    atexit.register(prof.final)
 
     def wrap_hook(target: str, hook, hook_type):
         name = "hook:" + target.rsplit(".", 1)[-1]
@@ -153,6 +158,7 @@ def register_timing() -> None:
                 prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
                 return timed(*a, **k)
             marked.__module__ = timed.__module__
+            marked.__wrapped__ = timed  # kvguard's self-check follows the chain to its hook
             return marked
         return timed
 

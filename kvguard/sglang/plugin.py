@@ -159,8 +159,9 @@ def _chain(fn):
 
 
 def _closes_over(wrapper, fn) -> bool:
-    return any(cell.cell_contents is fn for cell in (getattr(wrapper, "__closure__", None) or ())
-               if _filled(cell))
+    """``wrapper`` (one of HookRegistry's) calls ``fn``: it holds ``fn``, or a wrapper of it (a profiler's)."""
+    return any(any(f is fn for f in _chain(cell.cell_contents))
+               for cell in (getattr(wrapper, "__closure__", None) or ()) if _filled(cell))
 
 
 def _filled(cell) -> bool:
