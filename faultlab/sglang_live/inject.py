@@ -101,8 +101,9 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
 ``late_transfer_write``  PD decode only (needs ``FAULTLAB_SGLANG_PD_WRITER=1``): the transfer of a
     candidate A that already finished lands late: faultlab writes A's K/V into A's destination slots
     (pages SGLang freed and handed to later requests since) and stamps A's kvguard ticket, as a late
-    writer does. A is drawn from the finished candidates whose pages are held now. Victims: every live
-    request that holds one of A's pages (A is not: it finished).
+    writer does. A is drawn from the finished candidates whose pages are held now. Victims: every request
+    of the decode batch that holds one of A's pages (A is not: it finished; nor is a request whose own
+    transfer has not landed yet: that transfer overwrites the late write and stamps its own ticket).
 
 ``shared_row`` lines (``rids``, ``rows``) name every decode step that SGLang is about to prepare with two
 requests on one ``req_to_token`` row (a stale row still scheduled next to its new owner).

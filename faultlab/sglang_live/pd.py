@@ -19,7 +19,8 @@ read from ``req_to_token`` at commit, the ticket), also after the request finish
 
 ``late_transfer_write`` (:func:`strike_late_write`): a finished request A's transfer lands late. Its
 pages were freed and handed to later requests by SGLang's normal allocation; faultlab writes A's K/V
-into A's slots and stamps A's ticket. Victims: every live request that now holds one of A's pages.
+into A's slots and stamps A's ticket. Victims: every request of the decode batch that now holds one of
+A's pages (a request still waiting for its own transfer is not: that transfer overwrites the late write).
 
 torch and SGLang are imported inside functions.
 """
@@ -118,7 +119,9 @@ def strike_late_write(entry: Entry, batch) -> None:
     """A finished candidate's transfer lands late, in pages SGLang has handed to the requests now decoding."""
     allocator = batch.token_to_kv_pool_allocator
     table, ps = batch.req_to_token_pool.req_to_token, int(allocator.page_size)
-    held = {}  # page -> rids of the live requests that hold it now
+    # NOTE: the decode batch's requests only: a request still in SGLang's transfer queue holds its pages
+    # too, but its own transfer lands after this write (and its writer stamps its own ticket).
+    held = {}  # page -> rids of the decoding requests that hold it now
     for req in batch.reqs:
         if req.finished() or req.kv.req_pool_idx is None:
             continue

@@ -62,7 +62,7 @@ class Entry:
     watch: dict | None = None  # double_free: page -> copies left to hand out, receivers
     abort: object = None  # sglang_abort: the request to abort at its next decode step
     pending: bool = False  # stale_batch_row: armed at this step's BEFORE hook, strikes at its AFTER hook
-    clobbered: object = None  # stale_batch_row: the batch whose device rows are wrong until the next step
+    clobbered: bool = False  # stale_batch_row: struck; the true rows are rebuilt at the next step
     reuser_step: int = 0  # late_transfer_write: the reusers' output tokens when it strikes (1 or 2)
 
     def __post_init__(self):

@@ -37,7 +37,7 @@ def before_prepare_for_decode(batch, *args, **kwargs):
         log("pools", kv_pool=type(allocator.get_kvcache()).__name__, allocator=type(allocator).__name__,
             page_size=_page_size(batch))
     for entry in State.plan:
-        if entry.clobbered is not None:
+        if entry.clobbered:
             _restore_rows(entry, batch)
     rows = [r.kv.req_pool_idx for r in batch.reqs]
     if len(set(rows)) < len(rows):  # two requests of one decode step on one req_to_token row
@@ -111,7 +111,7 @@ def _strike_rows(entry: Entry, batch) -> None:
         if not torch.equal(table[t, :n], table[g, :n]):
             victims.append(r)
     batch.req_pool_indices = rows  # a new tensor: an in-flight batch keeps its own
-    entry.clobbered = batch
+    entry.clobbered = True
     _log_inject(entry, victims, rows=true, given=given, rids=[str(r.rid) for r in chosen])
 
 
@@ -123,7 +123,7 @@ def _restore_rows(entry: Entry, batch) -> None:
     rows = batch.req_pool_indices
     batch.req_pool_indices = torch.tensor([int(r.kv.req_pool_idx) for r in batch.reqs], dtype=rows.dtype,
                                           device=rows.device)
-    entry.clobbered = None
+    entry.clobbered = False
     log("restored", fault=entry.fault, seed=entry.seed, label=entry.label)
 
 
