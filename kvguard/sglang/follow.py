@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -28,6 +28,19 @@ from ..tags import UNSET
 from ..tracker import TagTracker
 
 log = logging.getLogger("kvguard.sglang")
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRows:
+    """One batch composition's rows as kvguard recorded them (see PoolFollower.batch_rows)."""
+
+    reqs: list  # the batch's request list object this was built for
+    n: int
+    version: int  # PoolFollower.known_version at build time
+    owner: torch.Tensor  # int64 [B] host, -1: not recorded
+    owner_dev: torch.Tensor  # the same on the pools' device, clamped at 0 (unknown entries are not checked)
+    known: torch.Tensor  # bool [B] host: kvguard follows the entry's row
+    all_known: bool
 
 
 class PoolFollower:
@@ -57,6 +70,7 @@ class PoolFollower:
         # paths kvguard does not follow (PD decode prealloc, dLLM reuse) are never checked: no false
         # positives from coverage gaps.
         self.known = torch.zeros(self.num_rows, dtype=torch.bool)
+        self.known_version = 0  # bumped on every change of `known` (what a batch's cached rows depend on)
         self._warned: set[str] = set()
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
@@ -132,7 +146,8 @@ class PoolFollower:
             # The tag each slot of this allocation got, in allocation order (a page handed out twice in
             # one call gets two tags; only the later holder's survives): recorded as each holder's
             # expectation, so the earlier holder of a duplicated page is caught.
-            self._fresh = self.tracker.on_alloc(pages)
+            # NOTE: a decode step that starts no page hands out nothing: no tag bump (no device work)
+            self._fresh = self.tracker.on_alloc(pages) if pages.numel() else None
             return out
 
         alloc_wrapper.__wrapped__ = original
@@ -176,6 +191,7 @@ class PoolFollower:
     def drop(self, row: int) -> None:
         self.tracker.drop(row)
         self.known[row] = False
+        self.known_version += 1
 
     def _prefix_tags(self, pages: torch.Tensor) -> torch.Tensor:
         """What a request matching these tree pages expects: the tag the tree adopted them with."""
@@ -234,6 +250,7 @@ class PoolFollower:
                 k += last - first_new
             offset += seq_len - prefix_len
             self.known[row] = True
+            self.known_version += 1
             batch.reqs[i].kvguard_row = row
 
     def record_prealloc(self, req, kv_loc, prefix_len: int, total_prefix_len: int) -> None:
@@ -260,6 +277,7 @@ class PoolFollower:
         self.tracker.record(row, first, pages, tags=tags)
         req.kvguard_transfer = self.tracker.transfer_issue(pages, row=row, first=first)
         self.known[row] = True
+        self.known_version += 1
         req.kvguard_row = row
 
     def stamp(self, ticket) -> None:
@@ -299,13 +317,11 @@ class PoolFollower:
         if fresh is None and skip is None:
             return  # no request starts a page this step (no page was handed out): nothing to record
         # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
-        owner_cpu, owner = self.owner_rows(batch)
-        unknown = owner_cpu < 0
-        if bool(unknown.any()):
-            unknown = unknown.to(self.device)
+        rows = self.batch_rows(batch)
+        if not rows.all_known:
+            unknown = (~rows.known).to(self.device)
             skip = unknown if skip is None else skip | unknown
-            owner = owner.clamp(min=0)
-        self.tracker.record_decode(owner, pos, out_cache_loc, fresh=fresh, skip=skip)
+        self.tracker.record_decode(rows.owner_dev, pos, out_cache_loc, fresh=fresh, skip=skip)
 
     def to_device(self, values, dtype) -> torch.Tensor:
         """A small host list on the pools' device without waiting for the stream (pinned, async copy).
@@ -329,15 +345,25 @@ class PoolFollower:
         """
         # NOTE: built once per batch composition (SGLang replaces batch.reqs on filter_batch and extends it on
         # merge_batch, so the list object and its length tell), not once per step.
+        rows = self.batch_rows(batch)
+        return rows.owner, rows.owner_dev
+
+    def batch_rows(self, batch) -> "BatchRows":
+        """The batch's owner rows (:meth:`owner_rows`) and which of them kvguard follows, cached on the batch
+        for as long as its requests and ``known`` stay the same (the steady state: no host tensor op)."""
         reqs = batch.reqs
-        cached = batch.__dict__.get("_kvguard_owner")
-        if cached is not None and cached[0] is reqs and cached[1] == len(reqs):
-            return cached[2], cached[3]
+        cached = batch.__dict__.get("_kvguard_rows")
+        if cached is not None and cached.reqs is reqs and cached.n == len(reqs) \
+                and cached.version == self.known_version:
+            return cached
         owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in reqs], dtype=torch.int64)
-        device = owner.to(self.device) if self.device.type != "cuda" else \
-            owner.pin_memory().to(self.device, non_blocking=True)
-        batch._kvguard_owner = (reqs, len(reqs), owner, device)
-        return owner, device
+        clamped = owner.clamp(min=0)
+        known = (owner >= 0) & self.known[clamped]
+        device = clamped.to(self.device) if self.device.type != "cuda" else \
+            clamped.pin_memory().to(self.device, non_blocking=True)
+        rows = BatchRows(reqs, len(reqs), self.known_version, owner, device, known, bool(known.all()))
+        batch._kvguard_rows = rows
+        return rows
 
     def stale(self, batch) -> list[bool]:
         """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""

@@ -51,10 +51,14 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
         """
-        owner_cpu, owner = self.owner_rows(batch)
-        known = (owner_cpu >= 0) & self.known[owner_cpu.clamp(min=0)]
-        n_cpu = torch.where(known, batch.seq_lens_cpu, 0)
-        max_entries = int(n_cpu.max()) if n_cpu.numel() else 0
+        rows_ = self.batch_rows(batch)
+        if rows_.all_known:  # the normal case: every row followed, the batch's own lengths
+            lens = batch.seq_lens_cpu.tolist()
+            max_entries, total, n_entries = (max(lens) if lens else 0), sum(lens), batch.seq_lens
+        else:
+            n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
+            max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
+            n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         if max_entries == 0:
             return None
         stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
@@ -62,12 +66,10 @@ class SGLangGuard(PoolFollower):
             stale = self.stale(batch)
         rows = batch.req_pool_indices
         on_cuda = rows.device.type == "cuda"
-        # Every row followed (the normal case): the batch's own device lengths, no copy at all.
-        n_entries = batch.seq_lens if bool(known.all()) else self.to_device(n_cpu.tolist(), n_cpu.dtype)
         guard = self.write_guard(batch)
-        check = self.tracker.validate(self.req_to_token_pool.req_to_token, owner.clamp(min=0), n_entries,
+        check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows_.owner_dev, n_entries,
                                       max_entries=max_entries, table_rows=rows, page_div=self.page_size,
-                                      per_token=True, entries_hint=int(n_cpu.sum()), guard=guard)
+                                      per_token=True, entries_hint=total, guard=guard)
         if guard is not None and any(stale):
             # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
             apply_guard(guard, self.to_device(stale, torch.bool))

@@ -24,7 +24,6 @@ target                                                             type    what 
                                                                            into a mixed batch
 ``SchedulerBatchResultProcessor.process_batch_result_prefill``     AROUND  read verdict, discard flagged
 ``SchedulerBatchResultProcessor.process_batch_result_decode``      AROUND  read verdict, abort flagged
-``SchedulerBatchResultProcessor._handle_finish_state_updated_req`` AROUND  skip already-aborted
 ``managers.scheduler.Scheduler.update_running_batch``              AROUND  abort stale-row requests before
                                                                            the decode step is prepared
 =================================================================  ======  ==================================
@@ -70,7 +69,6 @@ TARGETS = {
     "mix_with_running": f"{_BATCH}.mix_with_running",
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
     "process_batch_result_decode": f"{_PROCESSOR}.process_batch_result_decode",
-    "handle_finish": f"{_PROCESSOR}._handle_finish_state_updated_req",
     "update_running_batch": f"{_SCHEDULER}.update_running_batch",
 }
 
@@ -144,7 +142,6 @@ def hooks() -> dict[str, tuple]:
         "mix_with_running": (_after_mix_with_running, "AFTER"),
         "process_batch_result_prefill": (_around_process_batch_result_prefill, "AROUND"),
         "process_batch_result_decode": (_around_process_batch_result_decode, "AROUND"),
-        "handle_finish": (_around_handle_finish, "AROUND"),
         "update_running_batch": (_around_update_running_batch, "AROUND"),
     }
 
@@ -332,15 +329,25 @@ def guards() -> list[SGLangGuard]:
     return list(_guards)
 
 
+_GROUP: list = []  # the attention-TP CPU group of this process once looked up (None: one rank, nothing to agree)
+
+
 def _attn_tp_cpu_group():
+    """The attention-TP CPU group the ranks agree over, or None with a single rank (looked up once)."""
+    if _GROUP:
+        return _GROUP[0]
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
+        return None  # not yet: looked up again later
     try:
         from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
-        return get_attn_tp_group().cpu_group
+        group = get_attn_tp_group().cpu_group
     except Exception:  # no attention-TP group in this process
-        return None
+        group = None
+    if group is not None and torch.distributed.get_world_size(group) == 1:
+        group = None  # NOTE: SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself
+    _GROUP.append(group)
+    return group
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,13 +497,15 @@ def _after_mix_with_running(result, batch, running_batch, *args, **kwargs):
 def _flagged(batch):
     """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it."""
     guard, flagged = None, []
-    in_batch = {id(req) for req in batch.reqs}
     for name in _PENDING:
         pending = batch.__dict__.pop(name, None)
         if pending is None:
             continue
         guard = pending.guard
-        flagged += [item for item in guard.resolve(pending, _attn_tp_cpu_group()) if id(item[0]) in in_batch]
+        flagged += guard.resolve(pending, _attn_tp_cpu_group())
+    if flagged:
+        in_batch = {id(req) for req in batch.reqs}
+        flagged = [item for item in flagged if id(item[0]) in in_batch]
     return guard, flagged
 
 
@@ -515,13 +524,30 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     # before the forward and copied to the host asynchronously, so reading it costs no extra wait beside
     # the sampled ids SGLang is about to read. Flagged requests are aborted through SGLang's per-request
     # path and finished; the original loop below then skips them (overlap: finished requests are
-    # skipped; non-overlap: _around_handle_finish), none of their tokens from this step is streamed
+    # skipped; non-overlap: the finish handler is shadowed for that call, below), none of their tokens from this step is streamed
     # (finished_output is set), and update_running_batch's filter_batch() drops them from the running
     # batch, as for any finished request.
     guard, flagged = _flagged(batch)
-    if flagged:
-        guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output)
-    return original(processor, batch, result, *args, **kwargs)
+    aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
+        if flagged else []
+    if not aborted:
+        return original(processor, batch, result, *args, **kwargs)
+    # NOTE: without the overlap scheduler SGLang's loop below still finishes (releases, streams) each request
+    # it sees finished; the ones kvguard just aborted are already released and streamed. For this one call
+    # the processor's per-request finish skips them (an instance attribute over the class method): no
+    # per-request hook runs in the steady state.
+    handle = processor._handle_finish_state_updated_req
+
+    def _skip_aborted(req, *a, **k):
+        if req.__dict__.get("kvguard_aborted"):
+            return None
+        return handle(req, *a, **k)
+
+    processor._handle_finish_state_updated_req = _skip_aborted
+    try:
+        return original(processor, batch, result, *args, **kwargs)
+    finally:
+        del processor._handle_finish_state_updated_req
 
 
 def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
@@ -544,7 +570,4 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
     return original(scheduler, batch, *args, **kwargs)
 
 
-def _around_handle_finish(original, processor, req, *args, **kwargs):
-    if getattr(req, "kvguard_aborted", False):
-        return None  # already released (or, for a stale row, deliberately not) and streamed by kvguard
-    return original(processor, req, *args, **kwargs)
+

@@ -102,8 +102,6 @@ def test_token_allocator_page_size_one(make_rig):
 def test_abort_marks_exactly_the_flagged_requests(rig_ps):
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    from kvguard.sglang.plugin import _around_handle_finish
-
     rig, ps = rig_ps, rig_ps.page_size
     batch = rig.running(ps + 1, 2 * ps, ps + 5)
     a, b, c = batch.reqs
@@ -122,9 +120,8 @@ def test_abort_marks_exactly_the_flagged_requests(rig_ps):
     assert not b.kv.holds_kv and len(rig.req_to_token_pool.free_slots) == free_rows_before + 1
     for req in (a, c):
         assert not req.finished() and req.kv.holds_kv and not getattr(req, "kvguard_aborted", False)
-    # SGLang's finish handler is skipped for the aborted request only (no second release)
-    assert _around_handle_finish(lambda *a, **k: "ran", None, b) is None
-    assert _around_handle_finish(lambda *a, **k: "ran", None, a) == "ran"
+    # (SGLang's finish handler then skips it for that one result; the real normal loop is exercised by the
+    # live engine at page 1, whose pools balance: no second release)
     # the running batch drops it like any finished request (update_running_batch's filter_batch)
     batch.filter_batch()
     assert [r.rid for r in batch.reqs] == [a.rid, c.rid]
