@@ -40,6 +40,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 
 from .plan import ENV_ACCOUNTING, ENV_DUMMY, ENV_FAULTS, ENV_LOG, ENV_PD_WRITER, ENV_ROTARY
@@ -197,11 +198,14 @@ def run(spec: dict, out_path: str) -> int:
     os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
     result = {"spec": spec, "log": log_path, "started": False, "episodes": []}
 
+    lock = threading.Lock()  # the watchdog thread saves too
+
     def save():
-        result["events"] = _read_log(log_path)
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(out_path + ".tmp", out_path)
+        with lock:
+            result["events"] = _read_log(log_path)
+            with open(out_path + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(out_path + ".tmp", out_path)
 
     t = time.time()
     kwargs = dict(model_path=model, device=device, load_format="dummy", skip_tokenizer_init=True,
@@ -217,7 +221,7 @@ def run(spec: dict, out_path: str) -> int:
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
     save()
-    watchdog(result, save)
+    watchdog(result, save, engine)
     try:
         for ep in episodes:
             result["current"] = ep["label"]
@@ -260,17 +264,41 @@ def _finish_record(record: dict, log_path: str) -> None:
                                | {e["rid"] for e in events if e["event"] == "victim"})
 
 
-def watchdog(result: dict, save) -> None:
+GRACE_S = 5.0  # after a scheduler died: how long its last answers, already sent, may take to reach the clients
+
+
+def watchdog(result: dict, save, engine) -> None:
     """When an SGLang child process dies (its scheduler raised), save what we have and exit 3.
 
     SGLang's scheduler signals its parent on a crash, but a parent blocked on a reply that never comes
     may not act on it for minutes; this thread makes a dead server a prompt, visible failure.
+
+    NOTE: SGLang's own handler of that signal (SIGQUIT; the tokenizer manager's
+    ``running_phase_sigquit_handler``, installed on the engine's event loop at its first request) kills
+    this process tree at once, possibly before the episode's last answers, sent before the crash (e.g. by
+    an idle accounting check that raised after the last request finished), reached their clients. It is
+    replaced, through the tokenizer manager's ``signal_handler_class``, by one that only notes the signal:
+    this thread then waits up to :data:`GRACE_S` for the current episode's record, saves, stops the
+    engine's remaining child processes and exits.
     """
+    import signal
     import threading
 
     import psutil
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
 
+    class NotingHandler(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            result.setdefault("sigquit", time.time())  # this watchdog ends the process
+
+    manager = engine.tokenizer_manager
+    manager.signal_handler_class = NotingHandler
+    if manager.event_loop is not None:  # its handlers are installed already
+        manager.event_loop.add_signal_handler(signal.SIGQUIT, NotingHandler(manager).running_phase_sigquit_handler)
     children = psutil.Process().children(recursive=True)
+
+    def recorded(label):
+        return label is None or any(e["label"] == label for e in result["episodes"])
 
     def watch():
         while True:
@@ -279,8 +307,21 @@ def watchdog(result: dict, save) -> None:
                 return
             dead = [c.pid for c in children if not c.is_running() or c.status() == psutil.STATUS_ZOMBIE]
             if dead:
-                result["died"] = {"during": result.get("current"), "pids": dead, "time": time.time()}
-                save()
+                label, t0 = result.get("current"), time.time()
+                while not recorded(label) and time.time() - t0 < GRACE_S:
+                    time.sleep(0.05)
+                result["died"] = {"during": label, "pids": dead, "time": time.time()}
+                for _ in range(10):  # the main thread may be filling a record in (dict changed size)
+                    try:
+                        save()
+                        break
+                    except RuntimeError:
+                        time.sleep(0.05)
+                for child in children:
+                    try:
+                        child.kill()
+                    except psutil.NoSuchProcess:
+                        pass
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(3)
