@@ -61,6 +61,9 @@ class TagTracker(NoopTracker):
                 raise ValueError(f"TagTracker.attach: {name}={value!r} is not valid; it must be an int >= 1")
         self.page_size = page_size
         self.tags = TagTable(num_pages, device)
+        # The tag a transfer stamp overwrote on each page (UNSET: none): a page whose tag a late write replaced
+        # is still held by its owner, who gets it back on abort (held_pages).
+        self.overwritten = torch.full((num_pages,), UNSET, dtype=torch.int64, device=device)
         if self.config.history:
             self.history = incidents.PageHistory(num_pages, self.config.history, device)
         self.expected = torch.full((num_rows, max_entries), UNSET, dtype=torch.int64, device=device)
@@ -191,7 +194,8 @@ class TagTracker(NoopTracker):
         row = self._check_row("held_pages", row)
         with self.lock:
             pages = self.expected_pages[row, first:end].long()
-            still = self.tags.tags[pages] == self.expected[row, first:end]
+            want = self.expected[row, first:end]
+            still = ((self.tags.tags[pages] == want) | (self.overwritten[pages] == want)) & (want != UNSET)
             return pages[still].cpu()
 
     def expectation(self, row: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,6 +326,7 @@ class TagTracker(NoopTracker):
         """The writer of a transfer stamps its ticket's tags after its KV landed (``transfer.stamp``)."""
         self._require_attached()
         with self.lock:
+            self.overwritten[ticket.pages] = self.tags.tags[ticket.pages]
             transfer.stamp(self.tags, ticket)
             if self.history is not None:
                 self.history.note(ticket.pages, ticket.tags, incidents.STAMP)

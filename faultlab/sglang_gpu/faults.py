@@ -89,7 +89,10 @@ def fault_engine(spec: dict, out_path: str) -> int:
     try:
         for ep in spec["episodes"]:
             t = time.time()
-            extra = {"timeout": spec.get("timeout", 60)} if "timeout" in inspect.signature(H._episode).parameters else {}
+            params = inspect.signature(H._episode).parameters
+            extra = {"timeout": spec.get("timeout", 60)} if "timeout" in params else {}
+            if "opts" in params:
+                extra["opts"] = {}  # plain requests (no PD bootstrap, no streaming)
             outs, armed = engine.loop.run_until_complete(
                 H._episode(engine, ep["label"], wave1, wave2, workload, log_path, **extra))
             end = time.time()
