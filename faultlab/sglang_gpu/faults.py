@@ -84,7 +84,7 @@ def fault_engine(spec: dict, out_path: str) -> int:
     engine = sglang.Engine(**kw)
     result.update(started=True, startup_s=time.time() - t, engine_kwargs=kw)
     save()
-    H.watchdog(result, save)  # a scheduler that dies (a fault kvguard-off lets through) ends this process
+    H.watchdog(result, save, engine)  # a scheduler that dies (a fault kvguard-off lets through) ends this process
     wave1, wave2 = H.prompts(workload, page_size)
     try:
         for ep in spec["episodes"]:
