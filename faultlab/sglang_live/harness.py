@@ -151,7 +151,7 @@ async def _flush(engine, timeout=30.0):
         await asyncio.sleep(0.05)
 
 
-async def _episode(engine, label, wave1, wave2, workload, log_path, opts):
+async def _episode(engine, label, wave1, wave2, workload, log_path, opts=None):
     # a0 first; the rest of wave 1 once a0 decodes (its prompt is in the radix tree then), so that
     # wave 1 shares physical prefix pages, as wave 2 does later
     first = [asyncio.ensure_future(_one(engine, wave1[0], workload["new1"], f"{label}-a0", opts))]
@@ -159,9 +159,10 @@ async def _episode(engine, label, wave1, wave2, workload, log_path, opts):
     first += [asyncio.ensure_future(_one(engine, ids, workload["new1"], f"{label}-a{i}", opts))
               for i, ids in enumerate(wave1) if i > 0]
     armed = await _wait_for("armed", label, log_path, first)
-    if workload["wave2"] in ("finished", "flushed"):
+    wave2_when = workload.get("wave2", "armed")
+    if wave2_when in ("finished", "flushed"):
         await asyncio.wait(first)
-    if workload["wave2"] == "flushed":
+    if wave2_when == "flushed":
         await _flush(engine)
     second = [asyncio.ensure_future(_one(engine, ids, workload["new2"], f"{label}-b{i}", opts))
               for i, ids in enumerate(wave2)]
