@@ -534,20 +534,29 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
         return original(processor, batch, result, *args, **kwargs)
     # NOTE: without the overlap scheduler SGLang's loop below still finishes (releases, streams) each request
     # it sees finished; the ones kvguard just aborted are already released and streamed. For this one call
-    # the processor's per-request finish skips them (an instance attribute over the class method): no
-    # per-request hook runs in the steady state.
-    handle = processor._handle_finish_state_updated_req
+    # the processor class's per-request finish skips them, and is put back right after: no per-request hook
+    # runs in the steady state. (The class, not the instance: SGLang's processor refuses instance
+    # attributes; the scheduler runs this loop on one thread.)
+    cls = type(processor)
+    own = cls.__dict__.get(_FINISH)  # None: inherited (then the patch is removed again, not restored)
+    handle = getattr(cls, _FINISH)
 
-    def _skip_aborted(req, *a, **k):
+    def _skip_aborted(self, req, *a, **k):
         if req.__dict__.get("kvguard_aborted"):
             return None
-        return handle(req, *a, **k)
+        return handle(self, req, *a, **k)
 
-    processor._handle_finish_state_updated_req = _skip_aborted
+    setattr(cls, _FINISH, _skip_aborted)
     try:
         return original(processor, batch, result, *args, **kwargs)
     finally:
-        del processor._handle_finish_state_updated_req
+        if own is None:
+            delattr(cls, _FINISH)
+        else:
+            setattr(cls, _FINISH, own)
+
+
+_FINISH = "_handle_finish_state_updated_req"  # SchedulerBatchResultProcessor's per-request finish
 
 
 def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
