@@ -329,7 +329,7 @@ class TagTracker(NoopTracker):
             self.overwritten[ticket.pages] = self.tags.tags[ticket.pages]
             transfer.stamp(self.tags, ticket)
             if self.history is not None:
-                self.history.note(ticket.pages, ticket.tags, incidents.STAMP)
+                self.history.note(ticket.pages, self.tags.tags[ticket.pages], incidents.STAMP)
 
     def transfer_violation(self, ticket, request_id: str) -> KVGuardViolation:
         """Slow path, only for a discarded transfer: the violation that aborts its request."""

@@ -11,8 +11,8 @@ The guard rides on the tag table: tags change on every free and every allocation
 - ``land(tags, tickets)`` compares every ticket's snapshot with the current tags in one batched pass and
   returns one verdict per transfer (``ok``: bool, on the device, no host sync);
 - ``stamp(tags, ticket)`` is the writer's side of a transfer tag (PD decode in SGLang): after its KV
-  landed, the writer stamps the tags it was issued; a late stale write thus leaves tags the pages' new
-  owners do not expect;
+  landed, the writer stamps its ticket; a late stale write thus leaves fresh tags the pages' new owners do
+  not expect;
 - ``guard_slots(slots, owner, ok, page_size)`` turns the flat destination slots of a batch of landing
   transfers into the slots the commit may write: a failed transfer's tokens go to the scratch page.
 
@@ -68,12 +68,24 @@ def land(table: TagTable, tickets: Sequence[TransferTicket]) -> torch.Tensor:
 
 
 def stamp(table: TagTable, ticket: TransferTicket) -> None:
-    """The writer's stamp after its KV landed: the target pages carry the tags of the ticket again.
+    """The writer's stamp after its KV landed in ``ticket.pages``.
 
-    A transfer whose targets kept their tags changes nothing; a late one (its targets freed and handed
-    out since) writes tags their new owners do not expect, so their next check fails (device, no sync).
+    A transfer whose targets kept their tags changes nothing. A late one (its targets freed and handed
+    out since) gives each target whose tag changed a fresh tag nobody expects, so every holder's next check
+    fails (device, no sync).
+
+    NOTE: not the ticket's own (old) tag, as a writer in the write-up's design stamps into a separate
+    table: here the stamp lands in the one tag table, and an old tag written back could match an
+    expectation still held for it (a tree page adopted with that tag), so every tag stays issued once.
     """
-    table.tags.index_copy_(0, ticket.pages, ticket.tags)
+    count = ticket.pages.numel()
+    if count == 0:
+        return
+    assert table.next_tag + count < 2**63 - 1, f"tag counter would wrap at {table.next_tag}"
+    fresh = torch.arange(table.next_tag, table.next_tag + count, device=table.tags.device)
+    table.next_tag += count
+    now = table.tags[ticket.pages]
+    table.tags.index_copy_(0, ticket.pages, torch.where(now == ticket.tags, now, fresh))
 
 
 def guard_slots(slots: torch.Tensor, owner: torch.Tensor, ok: torch.Tensor, page_size: int,

@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 CLASSES = [f for f in FAULTS if f != "none"]
 CLASSES_PS1 = [f for f in CLASSES if f != "in_page_entry"]  # no entry inside a page at page size 1
 # Crash-prone classes last, so a server they kill costs the fewest restarts.
-ORDER = ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry", "premature_free",
-         "double_free", "stale_row"]
+ORDER = ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry", "stale_batch_row",
+         "premature_free", "double_free", "stale_row"]
 SEED = 1
 ENGINE_TIMEOUT = 840  # one engine process runs all its episodes; a loaded 2-core machine took up to ~5 min
 
