@@ -25,7 +25,9 @@ from kvguard.sglang.paths import BY_NAME, CHECKED, PATHS, REFUSED, Facts, active
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# A Facts for each refused path, and the Engine arguments that turn it on (None: not startable here).
+# A Facts for each refused path, and the Engine arguments that turn it on (None: not startable on this CPU:
+# HiSparse needs a DSA model, DP attention several ranks, the rest a model of that kind: their Facts are
+# checked here, and their schedulers refuse at install).
 REFUSED_FACTS = {
     "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode"), {"disaggregation_mode": "decode"}),
     "pd_prefill": (Facts(disaggregation_mode="prefill"), {"disaggregation_mode": "prefill"}),
@@ -38,7 +40,8 @@ REFUSED_FACTS = {
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
     "dllm": (Facts(dllm=True), None),
-    "pd_multiplexing": (Facts(pdmux=True), None),
+    "pd_multiplexing": (Facts(pdmux=True), {"enable_pdmux": True, "chunked_prefill_size": -1,
+                                            "disable_overlap_schedule": True}),
 }
 
 
@@ -126,7 +129,7 @@ def test_engine_refuses_each_refused_path_before_a_scheduler_starts(models, tmp_
         got = result[name]
         assert got.get("type") == "KVGuardRefused", f"{name}: {got}"
         assert name in got["message"] and BY_NAME[name].why in got["message"]
-    assert len(cases) >= 6
+    assert len(cases) >= 7
 
 
 @pytest.mark.sglang
