@@ -4,14 +4,14 @@ A path writes, reads and releases KV through its own code, so a property shown o
 on another. kvguard serves a configuration only when every path it turns on is ``checked``; a path that
 is ``refused`` stops the server at start, with the reason, before SGLang launches a scheduler
 (:func:`refusal`: the launcher, exit 2; the ``ServerArgs.check_server_args`` hook for ``sglang.Engine``
-and ``launch_server``), and again at install in each scheduler (the uncovered allocator, the last line of
-defence). There is no third state: nothing is served with a warning.
+and ``launch_server``), and again at install in each scheduler, on the model it loaded (the last line of
+defence, with the uncovered-allocator check). There is no third state: nothing is served with a warning.
 
-The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and the
-coverage table in docs/sglang.md
-(:func:`coverage_table`; a test checks the docs against it).
+The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and
+the coverage table in docs/sglang.md (:func:`coverage_table`, ``python -m kvguard.sglang.paths``; a test
+checks the docs against it).
 
-Stdlib only: the launcher evaluates it before SGLang is imported.
+Stdlib only: the facts are read from SGLang's objects by their callers (kvguard.sglang.plugin).
 """
 from __future__ import annotations
 

@@ -8,7 +8,12 @@ SGLang runs exactly as shipped. With ``KVGUARD_MODE=check`` it registers these h
 =================================================================  ======  ==================================
 target                                                             type    what kvguard does there
 =================================================================  ======  ==================================
-``mem_cache.kv_cache_builder.build_kv_cache``                      AFTER   install on that pool set, warm up
+``server_args.ServerArgs.check_server_args``                       AFTER   refuse a path kvguard does not
+                                                                           check (kvguard.sglang.paths)
+``disaggregation.decode.DecodePreallocQueue._pre_alloc``           AROUND  PD decode: record the row, the
+                                                                           transfer ticket
+``mem_cache.kv_cache_builder.build_kv_cache``                      AFTER   self-check, registry, install on
+                                                                           that pool set, warm up
 ``mem_cache.allocation.alloc_for_extend``                          AROUND  record each request's pages
 ``mem_cache.allocation.alloc_for_decode``                          AROUND  record decode growth pages; a
                                                                            stale request writes the padding
@@ -32,7 +37,8 @@ target                                                             type    what 
 invalid ``KVGUARD_*`` value, or a hook target this SGLang does not have, therefore raises
 :class:`KVGuardStartupError` (a ``SystemExit``, which the loader does not catch): the process stops with
 one message naming the variable and the valid values, and nothing serves. An allocator kvguard does not
-cover stops the scheduler at install the same way.
+cover, a serving path the registry refuses, or a hook SGLang failed to apply (:func:`self_check`) stops
+the scheduler at install the same way.
 
 Only this subpackage imports SGLang, and only inside functions.
 """
