@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+from live_episodes import by_index as _by_index, episode as _episode
 
 from faultlab.sglang_live.plan import FAULTS
 
@@ -112,17 +113,6 @@ def check1(tmp_path_factory):
 def off16(tmp_path_factory):
     classes = ["swapped_entries", "index_shift", "in_page_entry", "premature_free"]
     return _run_engine(tmp_path_factory, "off16", _base(16, "off"), classes)
-
-
-def _episode(run: dict, label: str) -> dict:
-    """The episode's record; when the server died in it before its clients got their answers, fail."""
-    if label not in run["episodes"]:
-        pytest.fail(run["deaths"].get(label) or f"episode {label!r} never ran: {run['deaths']}")
-    return run["episodes"][label]
-
-
-def _by_index(ep: dict) -> dict:
-    return {req["rid"].split("-", 1)[1]: req for req in ep["requests"]}
 
 
 def _assert_balanced(run: dict, ep: dict) -> None:

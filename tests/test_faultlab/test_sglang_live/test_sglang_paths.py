@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from live_episodes import by_index as _by_index, episode as _episode
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -113,16 +114,6 @@ def _summary(run: dict) -> str:
         lines.append(f"  {label}: victims aborted {len(victims & errors)}/{len(victims)}, other errors "
                      f"{len(errors - victims)}, decode steps {ep['steps']}, {ep['seconds']:.1f} s")
     return "\n".join(lines)
-
-
-def _episode(run: dict, label: str) -> dict:
-    if label not in run["episodes"]:
-        pytest.fail(run["deaths"].get(label) or f"{run['name']}: episode {label!r} never ran: {run['deaths']}")
-    return run["episodes"][label]
-
-
-def _by_index(ep: dict) -> dict:
-    return {req["rid"].split("-", 1)[1]: req for req in ep["requests"]}
 
 
 def _events(ep: dict, kind: str) -> list[dict]:
