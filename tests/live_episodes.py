@@ -13,3 +13,17 @@ def episode(run: dict, label: str) -> dict:
 def by_index(ep: dict) -> dict:
     """The episode's requests by their index in the episode (``a0``, ``b1``, ...)."""
     return {req["rid"].split("-", 1)[1]: req for req in ep["requests"]}
+
+
+def assert_victims_aborted(ep: dict, fault: str, where: str = "") -> set:
+    """The injector armed and struck, and exactly its victims (its ground truth) got kvguard's error; the victims."""
+    assert ep["armed"], f"{fault}: the injector never armed"
+    assert not [e for e in ep["events"] if e["event"] == "skipped"], ep["events"]
+    victims = set(ep["victims"])
+    assert victims, f"{fault}: the injector reports no victim: {ep['events']}"
+    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+    injected = [e for e in ep["events"] if e["event"] == "inject"]
+    assert set(errors) == victims, (f"{where}{fault}: errors {errors} but victims (injector's ground truth) "
+                                    f"{sorted(victims)}; events {injected or ep['events']}")
+    assert all("kvguard" in msg for msg in errors.values()), errors
+    return victims

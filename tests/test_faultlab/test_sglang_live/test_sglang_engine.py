@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 import pytest
-from live_episodes import by_index as _by_index, episode as _episode
+from live_episodes import assert_victims_aborted, by_index as _by_index, episode as _episode
 
 from faultlab.sglang_live.plan import FAULTS
 
@@ -134,14 +134,7 @@ def _assert_clean(run: dict) -> None:
 def _assert_fault(run: dict, fault: str) -> None:
     clean = _by_index(_episode(run, "clean"))
     ep = _episode(run, fault.replace("_", ""))
-    assert ep["armed"], f"{fault}: the injector never armed"
-    assert not [e for e in ep["events"] if e["event"] == "skipped"], ep["events"]
-    victims = set(ep["victims"])
-    assert victims, f"{fault}: the injector reports no victim: {ep['events']}"
-    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-    assert set(errors) == victims, (f"{fault}: errors {errors} but victims (injector's ground truth) "
-                                    f"{sorted(victims)}; events {ep['events']}")
-    assert all("kvguard" in msg for msg in errors.values()), errors
+    victims = assert_victims_aborted(ep, fault)
     wrong = {i: (r["output_ids"], clean[i]["output_ids"]) for i, r in _by_index(ep).items()
              if r["rid"] not in victims and r["output_ids"] != clean[i]["output_ids"]}
     assert wrong == {}, f"{fault}: non-victims' tokens differ from the fault-free run: {wrong}"

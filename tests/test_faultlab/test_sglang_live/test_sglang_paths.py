@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from live_episodes import by_index as _by_index, episode as _episode
+from live_episodes import assert_victims_aborted, by_index as _by_index, episode as _episode
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -146,14 +146,7 @@ def _mismatches(ep: dict, clean: dict, victims: set) -> dict:
 def _assert_fault(run: dict, fault: str, clean_label: str = "clean", balanced: bool = True) -> dict:
     clean = _episode(run, clean_label)
     ep = _episode(run, _label(fault))
-    assert ep["armed"], f"{fault}: the injector never armed"
-    assert not _events(ep, "skipped"), ep["events"]
-    victims = set(ep["victims"])
-    assert victims, f"{fault}: the injector reports no victim: {ep['events']}"
-    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-    assert set(errors) == victims, (f"{run['name']} {fault}: errors {errors} but victims (injector's ground "
-                                    f"truth) {sorted(victims)}; events {_events(ep, 'inject')}")
-    assert all("kvguard" in msg for msg in errors.values()), errors
+    victims = assert_victims_aborted(ep, fault, f"{run['name']} ")
     wrong = _mismatches(ep, clean, victims)
     assert wrong == {}, f"{run['name']} {fault}: non-victims' tokens differ from {clean_label!r}: {wrong}"
     assert _events(ep, "shared_row") == [], f"{fault}: decode steps prepared with a shared row"
