@@ -22,13 +22,29 @@ _TAG_LIMIT = 2**63 - 1
 class TagTable:
     """Owns the per-page tags. Pages are indices into the pool, page 0 (scratch) included."""
 
-    def __init__(self, num_pages: int, device: torch.device | str):
+    def __init__(self, num_pages: int, device: torch.device | str, *, kernel: bool = False):
         if num_pages < 1:
             raise ValueError(f"TagTable: num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.tags = torch.arange(num_pages, dtype=torch.int64, device=device)  # [num_pages]
         self.next_tag = num_pages
         self.bumps = 0
+        self._bumper = None
+        if kernel:  # one Triton launch per bump instead of two torch ops (lazy: Triton only when asked)
+            from .kernels.record import Bumper
+
+            self._bumper = Bumper(self.tags)
+
+    def reserve(self, count: int) -> int:
+        """Take ``count`` fresh tags for a bump the caller launches itself (``kvguard.kernels.record``): the first.
+
+        The caller must bump with exactly these tags before anything reads the pages' tags again.
+        """
+        assert self.next_tag + count < _TAG_LIMIT, f"tag counter would wrap at {self.next_tag}"
+        base = self.next_tag
+        self.next_tag += count
+        self.bumps += count
+        return base
 
     def bump(self, pages: torch.Tensor) -> torch.Tensor:
         """Give each entry of ``pages`` a fresh, never-used tag; return them (int64 [n], no sync).
@@ -39,14 +55,16 @@ class TagTable:
         duplicate indices), so the earlier slot's owner records a tag the page no longer carries.
         """
         count = pages.numel()
-        fresh = torch.arange(self.next_tag, self.next_tag + count, device=self.tags.device)
         if count == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.tags.device)
+        base = self.reserve(count)
+        if self._bumper is not None:
+            fresh = torch.empty(count, dtype=torch.int64, device=self.tags.device)
+            self._bumper(pages, base, fresh)
             return fresh
-        assert self.next_tag + count < _TAG_LIMIT, f"tag counter would wrap at {self.next_tag}"
+        fresh = torch.arange(base, base + count, device=self.tags.device)
         pages = pages.to(device=self.tags.device, dtype=torch.int64)
         self.tags.scatter_reduce_(0, pages, fresh, reduce="amax")
-        self.next_tag += count
-        self.bumps += count
         return fresh
 
     def gather(self, pages: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ class TagTracker(NoopTracker):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TagTracker.attach: {name}={value!r} is not valid; it must be an int >= 1")
         self.page_size = page_size
-        self.tags = TagTable(num_pages, device)
+        self.use_triton = self._pick_triton(torch.device(device))
+        self.tags = TagTable(num_pages, device, kernel=self.use_triton)
         # The tag a transfer stamp overwrote on each page (UNSET: none): a page whose tag a late write replaced
         # is still held by its owner, who gets it back on abort (held_pages).
         self.overwritten = torch.full((num_pages,), UNSET, dtype=torch.int64, device=device)
@@ -70,13 +71,13 @@ class TagTracker(NoopTracker):
         self.expected_pages = torch.zeros((num_rows, max_entries), dtype=torch.int32, device=device)
         self._aranges = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
         self.scratch_page = 0
-        self.use_triton = self._pick_triton(torch.device(device))
         from .kernels import tag_check  # lazy: Triton is imported only by a checking tracker
 
         from .kernels import record
 
         self._check = tag_check.tag_check if self.use_triton else tag_check.tag_check_ref
-        self._record_decode = record.record_decode if self.use_triton else record.record_decode_ref
+        self._recorder = record.DecodeRecorder(self.expected, self.expected_pages, self.tags.tags,
+                                               page_size=page_size, reference=not self.use_triton)
 
     def _pick_triton(self, device: torch.device) -> bool:
         backend = self.config.backend
@@ -163,20 +164,28 @@ class TagTracker(NoopTracker):
             self.expected_pages[rows, cols] = pages32
 
     def record_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, *,
-                      fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+                      fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                      alloc: torch.Tensor | None = None) -> None:
         """One decode step: each request whose position starts a page expects its new page (one launch).
 
         ``positions[b]`` is the token request ``b`` writes into ``slots[b]``; the k-th request whose
         position starts a page got the step's k-th allocated page, tagged ``fresh[k]`` (the tags
-        :meth:`on_alloc` returned; None: the pages' current tags). ``skip`` (bool, device) leaves requests
-        out. Device tensors, no sync (see ``kvguard.kernels.record``).
+        :meth:`on_alloc` returned; None: the pages' current tags). ``alloc``: the step's allocated pages
+        (allocation order) not yet bumped: the same launch bumps them (:meth:`on_alloc`'s tags, without its
+        launches). ``skip`` (bool, device) leaves requests out. Device tensors, no sync
+        (``kvguard.kernels.record``).
         """
         self._require_attached()
         dev = self.expected.device
         with self.lock:
-            self._record_decode(self.expected, self.expected_pages, rows.to(dev), positions.to(dev), slots.to(dev),
-                                self.tags.tags, page_size=self.page_size,
-                                fresh=None if fresh is None else fresh.to(dev), skip=None if skip is None else skip.to(dev))
+            base = 0
+            if alloc is not None:
+                base = self.tags.reserve(alloc.numel())
+                if self.history is not None:
+                    self.history.note(alloc, torch.arange(base, base + alloc.numel(), device=dev), incidents.ALLOC)
+            self._recorder(rows.to(dev), positions.to(dev), slots.to(dev), fresh=None if fresh is None else fresh.to(dev),
+                           skip=None if skip is None else skip.to(dev), alloc=None if alloc is None else alloc.to(dev),
+                           base=base)
 
     def drop(self, row: int) -> None:
         self._require_attached()
@@ -212,36 +221,73 @@ class TagTracker(NoopTracker):
             return self.tags.gather(pages)
 
     def warm_up(self, table: torch.Tensor, *, page_div: int = 1, per_token: bool = False,
-                slot_dtype: torch.dtype = torch.int64) -> None:
+                slot_dtype: torch.dtype = torch.int64, launch=None) -> None:
         """Compile every kernel variant a server uses now, so no request pays for a compile.
 
         The check: every block size, row indices as int32 or int64, lengths as int64, without and with
-        a write guard over ``slot_dtype`` slots (one per request, or segments); the decode recorder.
-        Launches with nothing live; counts no check and changes no state.
+        a write guard over ``slot_dtype`` slots (one per request, or segments), without and with the host
+        flag; the decode recorder (with and without its bump); the tag bump. Launches with nothing live;
+        counts no check and changes no state. ``launch``: the server's own :meth:`launcher` (its
+        variants are then also its direct launches' first calls).
         """
         self._require_attached()
         if not self.use_triton:
             return
-        from .kernels.tag_check import WriteGuard, block_sizes
+        from .kernels.tag_check import WriteGuard, block_sizes, n_chunks_for
 
         dev = self.expected.device
+        launch = launch or self.launcher(table, page_div=page_div, per_token=per_token)
         lens = torch.zeros(1, dtype=torch.int64, device=dev)
         slots = torch.full((1,), self.scratch_page * page_div, dtype=slot_dtype, device=dev)
         guards = (None, WriteGuard(slots), WriteGuard(slots, lens, lens))
+        flags = (None, torch.zeros(1, dtype=torch.int64, device=dev))
+        if dev.type == "cuda":  # a server's flag lives in pinned host memory
+            flags += (torch.zeros(1, dtype=torch.int64, pin_memory=True),)
         for dtype in (torch.int32, torch.int64):  # row indices arrive as either
             rows = torch.zeros(1, dtype=dtype, device=dev)
             for n_entries, guard in [(rows, None)] + [(lens, g) for g in guards]:
-                for block in block_sizes():
-                    with self.lock:
-                        self._check(table, rows, rows, n_entries, self.tags.tags, self.expected, max_entries=block,
-                                    page_div=page_div, per_token=per_token, quarantine=False, guard=guard)
+                for flag in flags:
+                    for block in block_sizes():
+                        verdict = torch.empty(n_chunks_for(block), dtype=torch.int32, device=dev)
+                        with self.lock:
+                            launch(rows, rows, n_entries, max_entries=block, verdict=verdict, guard=guard, flag=flag)
             pos = torch.ones(1, dtype=torch.int64, device=dev)  # not a page start: nothing is recorded
-            for fresh in (None, self.tags.tags[:1]):
+            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            for fresh, alloc in ((None, None), (self.tags.tags[:1], None), (None, slots[:1] // max(page_div, 1))):
                 for skip in (None, torch.zeros(1, dtype=torch.bool, device=dev)):
-                    self._record_decode(self.expected, self.expected_pages, rows, pos, slots, self.tags.tags,
-                                        page_size=self.page_size, fresh=fresh, skip=skip)
+                    with self.lock:  # an alloc of page 0 (scratch) at its own tag: nothing changes
+                        base = int(self.tags.tags[0]) if alloc is not None else 0
+                        self._recorder(rows, pos, slots, fresh=fresh, skip=skip, alloc=alloc, base=base)
+        if self.tags._bumper is not None:
+            zero = torch.zeros(1, dtype=torch.int64, device=dev)
+            for fresh in (None, torch.empty(1, dtype=torch.int64, device=dev)):
+                self.tags._bumper(zero, int(self.tags.tags[0]), fresh)  # page 0 keeps its tag (max)
+            self.tags._bumper(empty, 0)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    def launcher(self, table: torch.Tensor, *, page_div: int = 1, per_token: bool = False):
+        """The check bound to ``table`` and this tracker (``kvguard.kernels.tag_check.CheckLaunch``): a server's
+        per-step launch, with :meth:`check`. No quarantine for a token table (``per_token``)."""
+        self._require_attached()
+        from .kernels.tag_check import CheckLaunch
+
+        return CheckLaunch(table, self.tags.tags, self.expected, scratch_page=self.scratch_page, page_div=page_div,
+                           per_token=per_token, quarantine=self.config.quarantine and not per_token,
+                           reference=not self.use_triton)
+
+    def check(self, launch, rows, n_entries, *, table_rows, max_entries: int, verdict: torch.Tensor,
+              flag: torch.Tensor | None = None, stamp: int = 1, guard=None, entries_hint: int | None = None) -> Check:
+        """:meth:`validate` through a bound :meth:`launcher`, into a caller-owned ``verdict`` buffer, with the
+        host ``flag`` set to ``stamp`` when anything is bad (the per-step path: no allocation, no clone)."""
+        with self.lock:
+            verdict = launch(table_rows, rows, n_entries, max_entries=max_entries, verdict=verdict, guard=guard,
+                             flag=flag, stamp=stamp)
+        self.metrics.checks.inc()
+        self.checks_launched += 1
+        if entries_hint is not None:
+            self.metrics.entries.inc(entries_hint)
+        return Check(verdict, rows, launch.table, table_rows, launch.entry_step, launch.page_div, launch.per_token)
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,

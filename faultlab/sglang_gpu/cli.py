@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-output", type=int, default=64, help="first batch after start: output tokens")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--chunked-prefill", type=int, default=None)
+    p.add_argument("--switch", action="store_true",
+                   help="one engine instance; its off runs bypass kvguard's hooks (in-engine A/B, no instance spread)")
     p.add_argument("--name", default="overhead.json")
     p.add_argument("--budget", type=float, default=0, help="seconds; skip A/B pairs that would not fit")
     p.add_argument("--est", default="1:9,8:10,64:44", help="concurrency:seconds per run, before one is measured")

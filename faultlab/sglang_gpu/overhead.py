@@ -4,6 +4,11 @@ Two engines alive at once (kvguard off and check, switched by ``KVGUARD_MODE`` i
 environment), the same workload and seed; the runs alternate between them in ABBA order, so drift and
 warm-up hit both modes alike. The check engine also runs the ``kvguard_bench`` profiler (kvguard's host
 time per decode iteration).
+
+``--switch``: one engine instance with kvguard installed; its "off" runs pass kvguard's SGLang hooks straight
+to SGLang's code (``faultlab.sglang_gpu.probes.SWITCH_ENV``, flipped between runs while the engine is idle),
+so the comparison carries no instance-to-instance difference (two instances of one build differ by ~1.5-2%
+at c=1). kvguard's install, its memory and its allocator bookkeeping stay in both modes.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from faultlab.sglang_gpu.common import (
     stop_all,
     vocab_of,
 )
-from faultlab.sglang_gpu.probes import TIMING_ENV
+from faultlab.sglang_gpu.probes import SWITCH_ENV, SWITCH_PERIOD_S, TIMING_ENV
 from faultlab.sglang_gpu.workload import METRICS, compare, pct
 
 
@@ -44,19 +49,28 @@ def cmd_overhead(a) -> None:
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.update(json.loads(a.overrides))
     overlap = not kw.get("disable_overlap_schedule", False)
-    specs = [("off", {"KVGUARD_MODE": "off"}, kw),
-             ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path}, kw)]
-    result = {"command": command_line(a),
+    switch_path = os.path.join(a.out, "kvguard_switch") if a.switch else None
+    if a.switch:
+        _flip(switch_path, "check")
+        specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path, SWITCH_ENV: switch_path}, kw)]
+    else:
+        specs = [("off", {"KVGUARD_MODE": "off"}, kw),
+                 ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path}, kw)]
+    result = {"command": command_line(a), "switch": bool(a.switch),
               "environment": environment(), "engine_kwargs": kw, "reps": reps,
               "input_len": a.input_len, "output_len": a.output_len, "page_size": a.page_size}
     t_all = time.perf_counter()
     workers = start_engines(specs, a.start_timeout)
+    engines = dict(workers)
+    if a.switch:
+        workers = {"off": workers["check"], "check": workers["check"]}  # one instance, two modes
     try:
-        result["engines"] = {n: w.info for n, w in workers.items()}
+        result["engines"] = {n: w.info for n, w in engines.items()}
         # -- first requests after start: the same batch twice on each fresh engine -----------------
         first = {}
         fw = dict(n=a.first_n, input_len=a.input_len, output_len=a.first_output, seed=a.seed + 7, vocab=vocab)
         for mode in (("off", "check") if a.first_n else ()):
+            _flip(switch_path, mode)
             r1 = workers[mode].run(tag=f"first-{mode}", **fw)
             r2 = workers[mode].run(tag=f"second-{mode}", **fw)
             first[mode] = {"first": slim(r1), "second": slim(r2)}
@@ -76,6 +90,7 @@ def cmd_overhead(a) -> None:
                     log(f"c={c} rep={r}: skipped (budget {a.budget:.0f} s)")
                     continue
                 for mode in (("off", "check") if r % 2 == 0 else ("check", "off")):
+                    _flip(switch_path, mode)
                     res = workers[mode].run(n=c, input_len=a.input_len, output_len=a.output_len,
                                             seed=a.seed, vocab=vocab, tag=f"c{c}-{mode}-{r}")
                     res["mode"], res["concurrency"] = mode, c
@@ -93,11 +108,12 @@ def cmd_overhead(a) -> None:
             dump(a, a.name, result)  # keep what is measured so far
         # tiny requests after the last run, each after an idle gap: the profiler closes the last run's
         # window and writes its file at an idle boundary
+        _flip(switch_path, "check")
         for tag in ("flush", "flush2"):
             time.sleep(1.0)
             workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag=tag)
     finally:
-        stop_all(workers)
+        stop_all(engines)
     try:
         with open(timing_path) as f:
             result["host_timing"] = json.load(f)
@@ -107,6 +123,20 @@ def cmd_overhead(a) -> None:
     result["total_s"] = time.perf_counter() - t_all
     dump(a, a.name, result)
     print_rows(result)
+
+
+def _flip(path: str | None, mode: str) -> None:
+    """The in-engine switch (``--switch``): kvguard's per-step work on ("check") or off for the next run.
+
+    Written while the engine is idle; the wait lets the engine's next read of the file (at most every
+    SWITCH_PERIOD_S) land before the run starts. Without ``--switch``: nothing."""
+    if path is None:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("on" if mode == "check" else "off")
+    os.replace(tmp, path)
+    time.sleep(3 * SWITCH_PERIOD_S)
 
 
 MIN_WINDOW = 10  # decode iterations: shorter windows are the flush requests, not a measured run

@@ -17,6 +17,12 @@ from faultlab.sglang_gpu.workload import pct
 TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
 FAULT_RANK_ENV = "KVGUARD_BENCH_FAULT_RANK"  # only this TP rank runs faultlab's injector hooks
 ABORT_LOG_ENV = "KVGUARD_BENCH_ABORT_LOG"  # JSON lines: every rank's kvguard aborts (rank, rid, message)
+# A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
+# (the in-engine A/B of ``overhead --switch``: one engine instance, kvguard installed and its memory held in
+# both modes). Re-read at most every SWITCH_PERIOD_S; the harness flips it only while the engine is idle and
+# waits longer than that before the next run, so a run never spans two modes.
+SWITCH_ENV = "KVGUARD_BENCH_SWITCH"
+SWITCH_PERIOD_S = 0.5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -36,13 +42,31 @@ class _Prof:
         self.windows: list[dict] = []  # one summary per busy stretch between idle gaps (one workload run)
         self._window_start = 0  # index into iters where the current window began
         self._fn_start: dict[str, list] = {}  # per_fn at the window's start
+        self.switch_path = os.environ.get(SWITCH_ENV) or None
+        self._switch_on, self._switch_read = True, -1.0
 
-    def timed(self, name: str, fn, around: bool = False):
+    def kvguard_on(self) -> bool:
+        """The in-engine switch (SWITCH_ENV): True unless its file says "off" (always True without it)."""
+        if self.switch_path is None:
+            return True
+        now = time.perf_counter()
+        if now - self._switch_read > SWITCH_PERIOD_S:
+            self._switch_read = now
+            try:
+                with open(self.switch_path) as f:
+                    self._switch_on = f.read().strip() != "off"
+            except OSError:
+                self._switch_on = True
+        return self._switch_on
+
+    def timed(self, name: str, fn, around: bool = False, hook: bool = False):
         prof = self
 
         def wrapper(*a, **k):
             if prof.active:
                 return fn(*a, **k)
+            if hook and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
+                return a[0](*a[1:], **k) if around else None
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
 
             def call_original(*oa, **ok):
@@ -152,10 +176,11 @@ def register_timing() -> None:
 
     def wrap_hook(target: str, hook, hook_type):
         name = "hook:" + target.rsplit(".", 1)[-1]
-        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND))
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True)
         if target.endswith(".prepare_for_decode"):
             def marked(*a, **k):
-                prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
+                if prof.kvguard_on():  # an "off" run of the in-engine switch is not kvguard's iteration
+                    prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
                 return timed(*a, **k)
             marked.__module__ = timed.__module__
             marked.__wrapped__ = timed  # kvguard's self-check follows the chain to its hook

@@ -19,15 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import I32, DirectLaunch, spec
+
 BLOCK = 128  # one program loops over the batch in chunks of BLOCK, carrying the allocation count
 
 
-@triton.jit(do_not_specialize=["batch", "n_fresh", "n_rows", "width", "page_size", "exp_stride", "pages_stride"])
+@triton.jit(do_not_specialize=["batch", "n_fresh", "n_rows", "width", "page_size", "exp_stride", "pages_stride",
+                               "base"])
 def _record_decode_kernel(
     expected_ptr, expected_pages_ptr, rows_ptr, pos_ptr, slots_ptr, fresh_ptr, skip_ptr, tags_ptr,
-    batch, n_fresh, n_rows, width, page_size, exp_stride, pages_stride,
-    HAS_FRESH: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    batch, n_fresh, n_rows, width, page_size, exp_stride, pages_stride, alloc_ptr, base,
+    HAS_FRESH: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_ALLOC: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    if HAS_ALLOC:
+        # The step's allocation bumps here, in the same launch: slot i of the allocation gets tag base + i and
+        # its page keeps the largest of its slots' tags (a page handed out twice keeps only the later one).
+        for start in range(0, n_fresh, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            page = tl.load(alloc_ptr + i, mask=i < n_fresh, other=0).to(tl.int64)
+            tl.atomic_max(tags_ptr + page, base + i, mask=i < n_fresh)
     carry = 0  # pages handed out to earlier chunks of the batch
     for start in range(0, batch, BLOCK):
         b = start + tl.arange(0, BLOCK)
@@ -38,7 +48,9 @@ def _record_decode_kernel(
         carry += tl.sum(new.to(tl.int32), axis=0)
         slot = tl.load(slots_ptr + b, mask=new, other=0).to(tl.int64)
         page = slot // page_size
-        if HAS_FRESH:
+        if HAS_ALLOC:
+            tag = base + tl.minimum(tl.maximum(k, 0), n_fresh - 1).to(tl.int64)
+        elif HAS_FRESH:
             k = tl.minimum(tl.maximum(k, 0), n_fresh - 1)
             tag = tl.load(fresh_ptr + k, mask=new, other=-1)
         else:
@@ -78,7 +90,8 @@ def _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, pag
 
 
 def record_decode(expected, expected_pages, rows, pos, slots, tags, *, page_size: int,
-                  fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+                  fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                  alloc: torch.Tensor | None = None, base: int = 0) -> None:
     """Record the new page of every request whose decode position starts a page (in place, no sync).
 
     Args:
@@ -87,23 +100,65 @@ def record_decode(expected, expected_pages, rows, pos, slots, tags, *, page_size
         rows: ``[B]`` request slot (row of ``expected``) of each batch entry.
         pos: ``[B]`` the position each request writes this step (its length before the step).
         slots: ``[B]`` the KV slot each request writes this step (page = slot // page_size).
-        tags: int64 ``[num_pages]`` current tags (recorded when ``fresh`` is None).
+        tags: int64 ``[num_pages]`` current tags (recorded when neither ``fresh`` nor ``alloc`` is given).
         fresh: int64 ``[n]`` the tags the step's allocation gave its pages, in allocation order; the
             index is clamped into ``0..n-1``.
         skip: bool ``[B]``: leave these requests' expectations as they are (they still count in the
             allocation order).
+        alloc: the step's allocation, not yet bumped: its pages ``[n]`` in allocation order. The same launch
+            gives slot ``i`` the tag ``base + i`` (``tags`` keeps each page's largest) and records those
+            tags as ``fresh`` would. Exclusive with ``fresh``.
     """
-    _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, page_size)
-    batch = rows.numel()
-    has_fresh = fresh is not None and fresh.numel() > 0
-    if batch == 0:
-        return
-    _record_decode_kernel[(1,)](
-        expected, expected_pages, rows, pos, slots, fresh if has_fresh else tags, skip if skip is not None else rows,
-        tags, batch, fresh.numel() if has_fresh else 0, expected.shape[0], expected.shape[1], page_size,
-        expected.stride(0), expected_pages.stride(0),
-        HAS_FRESH=has_fresh, HAS_SKIP=skip is not None, BLOCK=BLOCK,
-    )
+    DecodeRecorder(expected, expected_pages, tags, page_size=page_size)(rows, pos, slots, fresh=fresh, skip=skip,
+                                                                         alloc=alloc, base=base)
+
+
+class DecodeRecorder:
+    """:func:`record_decode` bound to one expectation table and tag array (a server's per-step launch)."""
+
+    def __init__(self, expected, expected_pages, tags, *, page_size: int, reference: bool = False):
+        self.expected, self.expected_pages, self.tags, self.page_size = expected, expected_pages, tags, page_size
+        self.reference = reference  # run record_decode_ref instead (a tracker's torch backend)
+        self.kernel = DirectLaunch(_record_decode_kernel, expected.device)
+        self._seen: set = set()
+
+    def __call__(self, rows, pos, slots, *, fresh=None, skip=None, alloc=None, base: int = 0) -> None:
+        expected, expected_pages, tags, ps = self.expected, self.expected_pages, self.tags, self.page_size
+        if alloc is not None and fresh is not None:
+            raise ValueError("record_decode: give fresh or alloc, not both")
+        has_fresh = fresh is not None and fresh.numel() > 0
+        has_alloc = alloc is not None and alloc.numel() > 0
+        key = (has_fresh, skip is not None, has_alloc, spec(rows), spec(pos), spec(slots),
+               spec(fresh) if has_fresh else None, spec(skip) if skip is not None else None,
+               spec(alloc) if has_alloc else None, base < I32)
+        if key not in self._seen or not rows.numel() == pos.numel() == slots.numel():
+            _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, ps)
+            if has_alloc and (alloc.dim() != 1 or alloc.dtype not in (torch.int32, torch.int64)
+                              or alloc.device != tags.device):
+                raise ValueError(f"record_decode: alloc must be a 1-D int32/int64 tensor on {tags.device}")
+            self._seen.add(key)
+        batch = rows.numel()
+        if self.reference:
+            if has_alloc:
+                fresh = bump_ref(tags, alloc, base)
+            record_decode_ref(expected, expected_pages, rows, pos, slots, tags, page_size=ps, fresh=fresh, skip=skip)
+            return
+        if batch == 0 and not has_alloc:
+            return
+        n_fresh = fresh.numel() if has_fresh else alloc.numel() if has_alloc else 0
+        self.kernel((1,), key, (
+            expected, expected_pages, rows, pos, slots, fresh if has_fresh else tags,
+            skip if skip is not None else rows, tags, batch, n_fresh, expected.shape[0], expected.shape[1], ps,
+            expected.stride(0), expected_pages.stride(0), alloc if has_alloc else tags, base,
+        ), dict(HAS_FRESH=has_fresh, HAS_SKIP=skip is not None, HAS_ALLOC=has_alloc, BLOCK=BLOCK))
+
+
+def bump_ref(tags: torch.Tensor, pages: torch.Tensor, base: int) -> torch.Tensor:
+    """Slot ``i`` of an allocation gets tag ``base + i``; each page keeps its largest (torch)."""
+    fresh = torch.arange(base, base + pages.numel(), dtype=torch.int64, device=tags.device)
+    if pages.numel():
+        tags.scatter_reduce_(0, pages.to(tags.device, torch.int64), fresh, reduce="amax")
+    return fresh
 
 
 def record_decode_ref(expected, expected_pages, rows, pos, slots, tags, *, page_size: int,
@@ -127,3 +182,37 @@ def record_decode_ref(expected, expected_pages, rows, pos, slots, tags, *, page_
     r, c = rows[ok], cols[ok]
     expected[r, c] = tag[ok]
     expected_pages[r, c] = pages[ok].to(torch.int32)
+
+
+@triton.jit(do_not_specialize=["n", "base"])
+def _bump_kernel(tags_ptr, pages_ptr, fresh_ptr, n, base, FRESH: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    page = tl.load(pages_ptr + i, mask=live, other=0).to(tl.int64)
+    tl.atomic_max(tags_ptr + page, base + i, mask=live)
+    if FRESH:
+        tl.store(fresh_ptr + i, base + i, mask=live)
+
+
+class Bumper:
+    """Tag bumps of one tag array in one launch: slot ``i`` of ``pages`` gets ``base + i``, each page keeps its
+    largest (:func:`bump_ref`); the slots' tags are written to ``fresh`` when it is given."""
+
+    def __init__(self, tags: torch.Tensor, *, reference: bool = False):
+        self.tags, self.reference = tags, reference
+        self.kernel = DirectLaunch(_bump_kernel, tags.device)
+
+    def __call__(self, pages: torch.Tensor, base: int, fresh: torch.Tensor | None = None) -> None:
+        n = pages.numel()
+        if n == 0:
+            return
+        if self.reference:
+            out = bump_ref(self.tags, pages, base)
+            if fresh is not None:
+                fresh.copy_(out)
+            return
+        if pages.device != self.tags.device:
+            pages = pages.to(self.tags.device)
+        key = (spec(pages), spec(fresh) if fresh is not None else None, n < I32, base + n < I32)
+        self.kernel((triton.cdiv(n, BLOCK),), key, (self.tags, pages, self.tags if fresh is None else fresh, n, base),
+                    dict(FRESH=fresh is not None, BLOCK=BLOCK))

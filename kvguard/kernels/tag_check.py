@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import I32, DirectLaunch, spec
+
 DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
 
@@ -57,13 +59,13 @@ GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS = 0, 1, 2  # the kernel's write-guard mode
 
 
 @triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "cap", "slot_limit", "scratch_page", "n_chunks",
-                               "scratch_slot"])
+                               "scratch_slot", "stamp"])
 def _tag_check_kernel(
     table_ptr, table_rows_ptr, expected_rows_ptr, n_entries_ptr, tags_ptr, expected_ptr, verdict_ptr,
     table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_page, n_chunks,
-    out_ptr, out_starts_ptr, out_lens_ptr, scratch_slot,
+    out_ptr, out_starts_ptr, out_lens_ptr, scratch_slot, flag_ptr, stamp,
     ENTRY_STEP: tl.constexpr, PAGE_DIV: tl.constexpr, PER_TOKEN: tl.constexpr, QUARANTINE: tl.constexpr,
-    GUARD: tl.constexpr, BLOCK: tl.constexpr,
+    GUARD: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -95,6 +97,10 @@ def _tag_check_kernel(
     unchecked = tl.where(rows_ok, tl.maximum(n - cap, 0), tl.maximum(n, 1)).to(tl.int32)
     count += tl.where(chunk == 0, unchecked, 0)
     tl.store(verdict_ptr + b * n_chunks + chunk, count)
+    if FLAG:
+        # "anything flagged?" in one cell the host reads directly (pinned memory): written only when a
+        # program finds a bad entry, with this launch's stamp, so nothing has to clear it between launches.
+        tl.store(flag_ptr, stamp, mask=count > 0)
     # The write guard: any program that found a bad entry rewrites its request's write slots (several
     # programs of one request may store the same value: no atomics needed).
     if GUARD == 1:
@@ -124,9 +130,12 @@ def _block_for(max_entries: int, block: int | None) -> int:
 
 
 def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
-                   guard=None):
+                   guard=None, flag=None):
     def fail(name, why):
         raise ValueError(f"tag_check: {name} {why}")
+
+    if flag is not None and (flag.dtype != torch.int64 or flag.numel() < 1 or not flag.is_contiguous()):
+        fail("flag", f"must be a contiguous int64 tensor of at least one cell, got {tuple(flag.shape)} {flag.dtype}")
 
     if guard is not None:
         for name, t in (("guard.slots", guard.slots), ("guard.starts", guard.starts), ("guard.lens", guard.lens)):
@@ -171,7 +180,8 @@ def _cap(table, expected, n_chunks: int, blk: int, entry_step: int, page_div: in
 
 def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
               scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
-              quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None) -> torch.Tensor:
+              quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None,
+              flag: torch.Tensor | None = None, stamp: int = 1) -> torch.Tensor:
     """Validate page-table entries against expected tags; quarantine bad entries in place.
 
     Args:
@@ -187,40 +197,97 @@ def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, ma
             page against ``expected[row, j // page_div]`` and its in-page offset against ``j % page_div``.
         guard: the coming forward's write slots; those of every flagged request become
             ``guard.scratch`` (:class:`WriteGuard`).
+        flag: int64 ``[1]`` (device, or pinned host memory the kernel writes directly): set to ``stamp``
+            when any entry is bad, left as it was otherwise.
     A row index outside ``table`` or ``expected`` flags its request without reading anything.
     Returns:
         verdict: int32 ``[B, n_chunks]``, bad entries per chunk; ``verdict.sum(1) > 0`` flags a request.
     """
-    _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
-                   guard)
-    blk = _block_for(max_entries, block)
+    launch = CheckLaunch(table, tags, expected, scratch_page=scratch_page, entry_step=entry_step,
+                         page_div=page_div, per_token=per_token, quarantine=quarantine)
     batch = table_rows.numel()
-    n_chunks = max(1, triton.cdiv(max_entries, blk))
-    verdict = torch.empty((batch, n_chunks), dtype=torch.int32, device=table.device)
-    if batch == 0:
-        return verdict
-    cap = _cap(table, expected, n_chunks, blk, entry_step, page_div, per_token)
-    mode = GUARD_NONE if guard is None else GUARD_ONE if guard.starts is None else GUARD_SEGMENTS
-    out = verdict if guard is None else guard.slots
-    starts = verdict if mode != GUARD_SEGMENTS else guard.starts
-    lens = verdict if mode != GUARD_SEGMENTS else guard.lens
-    _tag_check_kernel[(batch, n_chunks)](
-        table, table_rows, expected_rows, n_entries, tags, expected, verdict,
-        table.stride(0), expected.stride(0), table.shape[0], expected.shape[0], cap,
-        tags.numel() * page_div, scratch_page, n_chunks,
-        out, starts, lens, 0 if guard is None else guard.scratch,
-        ENTRY_STEP=entry_step, PAGE_DIV=page_div, PER_TOKEN=per_token, QUARANTINE=quarantine, GUARD=mode,
-        BLOCK=blk,
-    )
-    return verdict
+    verdict = torch.empty(batch * n_chunks_for(max_entries, block), dtype=torch.int32, device=table.device)
+    return launch(table_rows, expected_rows, n_entries, max_entries=max_entries, verdict=verdict, guard=guard,
+                  flag=flag, stamp=stamp, block=block)
+
+
+def n_chunks_for(max_entries: int, block: int | None = None) -> int:
+    """How many programs per batch entry a check of ``max_entries`` entries launches (verdict columns)."""
+    return max(1, -(-max_entries // _block_for(max_entries, block)))
+
+
+class CheckLaunch:
+    """The check bound to one table, tag array and expectation table: what a server launches every step.
+
+    The fixed arguments are read once, here; each call passes what changes per step and writes the
+    verdict into ``verdict`` (a caller-owned int32 buffer of at least ``B * n_chunks_for(max_entries)``
+    cells: no allocation per step). Every argument variant is validated in full the first time it is seen;
+    later calls of a seen variant only check the batch sizes agree. On CUDA the compiled kernel is
+    launched directly (:class:`kvguard.kernels.launch.DirectLaunch`).
+    """
+
+    def __init__(self, table, tags, expected, *, scratch_page: int = 0, entry_step: int = 1, page_div: int = 1,
+                 per_token: bool = False, quarantine: bool = True, reference: bool = False):
+        self.table, self.tags, self.expected = table, tags, expected
+        self.reference = reference  # run tag_check_ref instead (a tracker's torch backend)
+        self.scratch_page, self.entry_step, self.page_div = scratch_page, entry_step, page_div
+        self.per_token, self.quarantine = per_token, quarantine
+        self.kernel = DirectLaunch(_tag_check_kernel, table.device)
+        self._seen: set = set()  # argument variants validated in full
+        self._fixed = (table.stride(0), expected.stride(0), table.shape[0], expected.shape[0])
+
+    def __call__(self, table_rows, expected_rows, n_entries, *, max_entries: int, verdict: torch.Tensor,
+                 guard: WriteGuard | None = None, flag: torch.Tensor | None = None, stamp: int = 1,
+                 block: int | None = None) -> torch.Tensor:
+        table, tags, expected = self.table, self.tags, self.expected
+        blk = _block_for(max_entries, block)
+        batch = table_rows.numel()
+        n_chunks = max(1, -(-max_entries // blk))
+        if verdict.dtype != torch.int32 or verdict.numel() < batch * n_chunks:
+            raise ValueError(f"tag_check: verdict must be an int32 buffer of at least {batch * n_chunks} cells, "
+                             f"got {verdict.numel()} {verdict.dtype}")
+        out_verdict = verdict[:batch * n_chunks].view(batch, n_chunks)
+        mode = GUARD_NONE if guard is None else GUARD_ONE if guard.starts is None else GUARD_SEGMENTS
+        out = verdict if guard is None else guard.slots
+        starts = verdict if mode != GUARD_SEGMENTS else guard.starts
+        lens = verdict if mode != GUARD_SEGMENTS else guard.lens
+        flag_t = verdict if flag is None else flag
+        key = (blk, mode, flag is not None, spec(table_rows), spec(expected_rows), spec(n_entries), spec(verdict),
+               spec(out), spec(starts), spec(lens), spec(flag_t), 0 < stamp < I32)
+        if key not in self._seen:
+            _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, self.entry_step,
+                           self.page_div, self.per_token, guard, flag)
+            self._seen.add(key)
+        elif not (expected_rows.numel() == n_entries.numel() == batch):
+            _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, self.entry_step,
+                           self.page_div, self.per_token, guard, flag)  # raises, naming the argument
+        if batch == 0:
+            return out_verdict
+        if self.reference:
+            out_verdict.copy_(tag_check_ref(
+                table, table_rows, expected_rows, n_entries, tags, expected, max_entries=max_entries,
+                scratch_page=self.scratch_page, entry_step=self.entry_step, page_div=self.page_div,
+                per_token=self.per_token, quarantine=self.quarantine, block=block, guard=guard, flag=flag,
+                stamp=stamp))
+            return out_verdict
+        cap = _cap(table, expected, n_chunks, blk, self.entry_step, self.page_div, self.per_token)
+        t_stride, e_stride, t_rows, e_rows = self._fixed
+        self.kernel((batch, n_chunks), key, (
+            table, table_rows, expected_rows, n_entries, tags, expected, verdict,
+            t_stride, e_stride, t_rows, e_rows, cap, tags.numel() * self.page_div, self.scratch_page, n_chunks,
+            out, starts, lens, 0 if guard is None else guard.scratch, flag_t, stamp,
+        ), dict(ENTRY_STEP=self.entry_step, PAGE_DIV=self.page_div, PER_TOKEN=self.per_token,
+                QUARANTINE=self.quarantine, GUARD=mode, FLAG=flag is not None, BLOCK=blk))
+        return out_verdict
 
 
 def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,
                   scratch_page: int = 0, entry_step: int = 1, page_div: int = 1, per_token: bool = False,
-                  quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None) -> torch.Tensor:
-    """Torch reference of :func:`tag_check` (same arguments, same verdict, same quarantine, same guard)."""
+                  quarantine: bool = True, block: int | None = None, guard: WriteGuard | None = None,
+                  flag: torch.Tensor | None = None, stamp: int = 1) -> torch.Tensor:
+    """Torch reference of :func:`tag_check` (same arguments, same verdict, quarantine, guard and flag)."""
     _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, entry_step, page_div, per_token,
-                   guard)
+                   guard, flag)
     blk = _block_for(max_entries, block)
     n_chunks = max(1, -(-max_entries // blk))
     batch = table_rows.numel()
@@ -253,6 +320,8 @@ def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *
     verdict[:, 0] += unchecked
     if guard is not None:
         apply_guard(guard, verdict.sum(1) > 0)
+    if flag is not None and bool(verdict.any()):
+        flag.view(-1)[0] = stamp
     return verdict
 
 

@@ -41,6 +41,7 @@ class BatchRows:
     owner_dev: torch.Tensor  # the same on the pools' device, clamped at 0 (unknown entries are not checked)
     known: torch.Tensor  # bool [B] host: kvguard follows the entry's row
     all_known: bool
+    unknown_dev: torch.Tensor | None  # ~known on the pools' device (None when all are known)
 
 
 class PoolFollower:
@@ -75,6 +76,11 @@ class PoolFollower:
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
         self._fresh: torch.Tensor | None = None  # tags of the last allocation's slots, allocation order
+        # While SGLang allocates a decode step (defer_bump, set around that one call): its pages are bumped by
+        # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.
+        self.defer_bump = False
+        self._pending_alloc: torch.Tensor | None = None
+        self.rows_version = 0  # bumped on every row allocation (what a batch's cached staleness depends on)
         # What each released row held, keyed by (row, SGLang's row generation): a request whose row was
         # taken from it (stale row) still holds these pages and lock, and gives them back on abort.
         self._released: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -146,8 +152,12 @@ class PoolFollower:
             # The tag each slot of this allocation got, in allocation order (a page handed out twice in
             # one call gets two tags; only the later holder's survives): recorded as each holder's
             # expectation, so the earlier holder of a duplicated page is caught.
-            # NOTE: a decode step that starts no page hands out nothing: no tag bump (no device work)
-            self._fresh = self.tracker.on_alloc(pages) if pages.numel() else None
+            # NOTE: a decode step that starts no page hands out nothing: no tag bump (no device work). A decode
+            # step's bump is left to the step's record launch (defer_bump), which gives the same tags.
+            if self.defer_bump and pages.numel() and self._pending_alloc is None:
+                self._pending_alloc, self._fresh = pages, None
+            else:
+                self._fresh = self.tracker.on_alloc(pages) if pages.numel() else None
             return out
 
         alloc_wrapper.__wrapped__ = original
@@ -169,6 +179,9 @@ class PoolFollower:
 
     def _wrap_req_pool(self) -> None:
         pool = self.req_to_token_pool
+        for name in ("alloc", "alloc_rows"):  # every path that bumps SGLang's row generation (PD's pool: alloc)
+            if callable(getattr(pool, name, None)):
+                setattr(pool, name, self._rows_wrapper(getattr(pool, name)))
         if not hasattr(pool, "free_rows"):
             return
         free_rows = pool.free_rows
@@ -186,6 +199,23 @@ class PoolFollower:
             return free_rows(indices)
 
         pool.free_rows = _free_rows
+
+    def _rows_wrapper(self, original: Callable) -> Callable:
+        def rows_wrapper(*args, **kwargs):
+            self.rows_version += 1  # before and after: a row handed out mid-call is never missed
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.rows_version += 1
+
+        rows_wrapper.__wrapped__ = original
+        return rows_wrapper
+
+    def flush_alloc(self) -> None:
+        """Bump a deferred decode allocation now (its record launch did not run, or needs the tags on the host)."""
+        pages, self._pending_alloc = self._pending_alloc, None
+        if pages is not None:
+            self._fresh = self.tracker.on_alloc(pages)
 
     # -- recording ---------------------------------------------------------------------------------
     def drop(self, row: int) -> None:
@@ -295,11 +325,14 @@ class PoolFollower:
         into the padding row, and nothing is recorded for it in the row it no longer owns.
         """
         ps = self.page_size
-        pos = batch.seq_lens.long()  # the position being written (seq_lens is incremented afterwards)
+        pos = batch.seq_lens  # the position being written (seq_lens is incremented afterwards)
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
         # never refresh it from the table (that would launder a swapped or freed entry). One launch, no
-        # sync (kvguard.kernels.record).
-        fresh = self._fresh if self._fresh is not None and self._fresh.numel() else None
+        # sync (kvguard.kernels.record), which also bumps the step's new pages (alloc).
+        if any(stale):
+            self.flush_alloc()  # the rare path below reads the new pages' tags on the host
+        alloc, self._pending_alloc = self._pending_alloc, None
+        fresh = self._fresh if alloc is None and self._fresh is not None and self._fresh.numel() else None
         skip = None
         if any(stale):
             # Rare: a request decoding on a row that now belongs to another request. A new page it got is
@@ -314,14 +347,14 @@ class PoolFollower:
                     batch.reqs[i].__dict__.setdefault("kvguard_extra_pages", []).append(
                         (int(out_cache_loc[i]) // ps, tag))
             skip = self.to_device(stale, torch.bool)
-        if fresh is None and skip is None:
+        if fresh is None and skip is None and alloc is None:
             return  # no request starts a page this step (no page was handed out): nothing to record
         # The k-th request that needs a new page got the allocation's k-th page (batch order): one launch.
         rows = self.batch_rows(batch)
         if not rows.all_known:
-            unknown = (~rows.known).to(self.device)
+            unknown = rows.unknown_dev
             skip = unknown if skip is None else skip | unknown
-        self.tracker.record_decode(rows.owner_dev, pos, out_cache_loc, fresh=fresh, skip=skip)
+        self.tracker.record_decode(rows.owner_dev, pos, out_cache_loc, fresh=fresh, skip=skip, alloc=alloc)
 
     def to_device(self, values, dtype) -> torch.Tensor:
         """A small host list on the pools' device without waiting for the stream (pinned, async copy).
@@ -361,20 +394,34 @@ class PoolFollower:
         known = (owner >= 0) & self.known[clamped]
         device = clamped.to(self.device) if self.device.type != "cuda" else \
             clamped.pin_memory().to(self.device, non_blocking=True)
-        rows = BatchRows(reqs, len(reqs), self.known_version, owner, device, known, bool(known.all()))
+        all_known = bool(known.all())
+        unknown = None if all_known else self.to_device((~known).tolist(), torch.bool)
+        rows = BatchRows(reqs, len(reqs), self.known_version, owner, device, known, all_known, unknown)
         batch._kvguard_rows = rows
         return rows
 
     def stale(self, batch) -> list[bool]:
-        """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""
+        """Per request (host, no sync): its row was given to a newer request (SGLang's row generation).
+
+        NOTE: a row changes hands only through the row pool's alloc (wrapped: rows_version), so the answer is
+        cached on the batch for as long as its requests and the row pool stay the same (the steady state).
+        """
+        reqs = batch.reqs
+        cached = batch.__dict__.get("_kvguard_stale_of")
+        if cached is not None and cached[0] is reqs and cached[1] == len(reqs) and cached[2] == self.rows_version \
+                and cached[3] == self.known_version:
+            return cached[4]
         gens = getattr(self.req_to_token_pool, "req_generation", None)
         if gens is None:
-            return [False] * len(batch.reqs)
-        rows = batch.req_pool_indices_cpu
-        if rows is None:
-            rows = torch.tensor([req.kv.req_pool_idx for req in batch.reqs], dtype=torch.int64)
-        now = gens[rows.long()].tolist()
-        return [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(batch.reqs, now)]
+            stale = [False] * len(reqs)
+        else:
+            rows = batch.req_pool_indices_cpu
+            if rows is None:
+                rows = torch.tensor([req.kv.req_pool_idx for req in reqs], dtype=torch.int64)
+            now = gens[rows.long()].tolist()
+            stale = [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(reqs, now)]
+        batch._kvguard_stale_of = (reqs, len(reqs), self.rows_version, self.known_version, stale)
+        return stale
 
     def _fresh_for(self, count: int) -> torch.Tensor | None:
         """The last allocation's slot tags, if it handed out exactly ``count`` pages (else None: current tags)."""

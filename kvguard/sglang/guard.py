@@ -24,7 +24,8 @@ log = logging.getLogger("kvguard.sglang")
 ABORT_MESSAGE = "kvguard: KV page mapping broken"
 SCRATCH_SLOT = 0  # slot 0 (page 0) is SGLang's padding slot: never allocated, CUDA-graph padding writes it
 PADDING_ROW = 0  # req_to_token row 0 is SGLang's padding row: never given to a request (free rows start at 1)
-VERDICT_RING = 8  # pinned verdict buffers per verdict shape (see SGLangGuard._verdict_slot)
+VERDICT_RING = 8  # checks in flight at most (see VerdictRing)
+STAMP_LIMIT = 2**30  # flag stamps run 1..STAMP_LIMIT (an i32 kernel argument: one compiled variant)
 
 
 @dataclass
@@ -34,15 +35,19 @@ class Pending:
     guard: "SGLangGuard"
     check: Check
     reqs: list  # the Req objects, in batch order at check time
-    verdict_host: torch.Tensor
-    ready: Any  # a CUDA event for the async verdict copy, or None (already on the host)
+    slot: int  # the verdict ring slot: its host flag cell and its device verdict buffer
+    stamp: int  # what the check writes into its flag cell when anything is bad
+    ready: Any  # a CUDA event recorded after the launch (and the flag copy, if any), or None (CPU)
     stale: list  # per request: its row now belongs to a newer owner (host-side generation check)
+    agreed: torch.Tensor | None = None  # attention TP: the ranks' verdicts, MAX-reduced on the device, on the host
 
 
 class SGLangGuard(PoolFollower):
     """The batched check over one SGLang scheduler's pools, and the abort of exactly the flagged requests."""
 
-    def launch(self, batch) -> Pending | None:
+    _ring: "VerdictRing | None" = None  # the per-step check's buffers, made at warm-up (or the first launch)
+
+    def launch(self, batch, device_group=None) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
 
         Every token ``t < seq_len`` of each request (the slot this step writes included: SGLang has
@@ -50,11 +55,21 @@ class SGLangGuard(PoolFollower):
         page ``t // page_size``, at in-page offset ``t % page_size``. One launch, no host sync; then the
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
+
+        NOTE (the steady state, on the host): one direct kernel launch and one event record; the rows are
+        cached per batch composition, the staleness per row-pool change, the buffers are the ring's. The
+        launch writes "anything bad?" straight into a pinned host cell (:meth:`resolve` reads it with the
+        sampled ids) and the per-request verdict into a device buffer read only when that cell says so.
+
+        ``device_group`` (attention TP of two or more ranks): the ranks agree on the stream, with one
+        MAX all-reduce of the verdict (stale requests counted in) on the device group, copied to the host
+        beside the flag; no CPU collective per step.
         """
         rows_ = self.batch_rows(batch)
+        lens = batch.seq_lens_cpu.numpy()
         if rows_.all_known:  # the normal case: every row followed, the batch's own lengths
-            lens = batch.seq_lens_cpu.tolist()
-            max_entries, total, n_entries = (max(lens) if lens else 0), sum(lens), batch.seq_lens
+            max_entries, n_entries = (int(lens.max()) if lens.size else 0), batch.seq_lens
+            total = int(lens.sum())
         else:
             n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
             max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
@@ -64,40 +79,40 @@ class SGLangGuard(PoolFollower):
         stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
         if stale is None or len(stale) != len(batch.reqs):
             stale = self.stale(batch)
-        rows = batch.req_pool_indices
-        on_cuda = rows.device.type == "cuda"
+        ring = self._ring or self._make_ring()
         guard = self.write_guard(batch)
-        check = self.tracker.validate(self.req_to_token_pool.req_to_token, rows_.owner_dev, n_entries,
-                                      max_entries=max_entries, table_rows=rows, page_div=self.page_size,
-                                      per_token=True, entries_hint=total, guard=guard)
+        slot = ring.turn = (ring.turn + 1) % VERDICT_RING
+        ring.stamp = stamp = ring.stamp % STAMP_LIMIT + 1
+        check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
+                                   table_rows=batch.req_pool_indices, verdict=ring.verdict(slot, len(batch.reqs),
+                                                                                           max_entries),
+                                   flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
         if guard is not None and any(stale):
             # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
             apply_guard(guard, self.to_device(stale, torch.bool))
-        if on_cuda:
-            host, ready = self._verdict_slot(check.verdict)
-            host.copy_(check.verdict, non_blocking=True)
+        agreed = None
+        if device_group is not None:
+            agreed = check.verdict.clone()
+            if any(stale):
+                agreed[:, 0] += self.to_device(stale, torch.int32)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=device_group)
+            host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
+            host.copy_(agreed, non_blocking=True)
+            agreed = host
+        ready = None
+        if ring.events is not None:
+            if ring.device_flags is not None:  # the fallback: the flag cell is on the device, copied here
+                ring.host_cells[slot].copy_(ring.device_flags[slot:slot + 1], non_blocking=True)
+            ready = ring.events[slot]
             ready.record()
-        else:
-            host, ready = check.verdict, None
-        pending = Pending(self, check, list(batch.reqs), host, ready, stale)
+        pending = Pending(self, check, list(batch.reqs), slot, stamp, ready, stale, agreed)
         batch._kvguard = pending
         return pending
 
-    def _verdict_slot(self, verdict: torch.Tensor):
-        """A pinned host buffer and an event for one verdict copy, reused round robin per verdict shape.
-
-        NOTE: at most two checks are in flight (the overlap scheduler's batch N, resolved after N+1 was
-        launched, plus a prefill's); a ring of VERDICT_RING slots per shape is never overwritten before its
-        verdict was read. No pinned allocation and no new event per step.
-        """
-        ring = self.__dict__.setdefault("_verdict_ring", {})
-        key = (tuple(verdict.shape), verdict.dtype)
-        slots, turn = ring.setdefault(key, ([], [0]))
-        if len(slots) < VERDICT_RING:
-            slots.append((torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True), torch.cuda.Event()))
-            return slots[-1]
-        turn[0] = (turn[0] + 1) % VERDICT_RING
-        return slots[turn[0]]
+    def _make_ring(self) -> "VerdictRing":
+        self._ring = VerdictRing(self.tracker.launcher(self.req_to_token_pool.req_to_token, page_div=self.page_size,
+                                                       per_token=True), self.device)
+        return self._ring
 
     def write_guard(self, batch) -> WriteGuard | None:
         """This step's KV write slots, which the check rewrites to the padding slot for flagged requests.
@@ -124,24 +139,39 @@ class SGLangGuard(PoolFollower):
         return WriteGuard(out, segments[0], segments[1], scratch=SCRATCH_SLOT)
 
     def warm_up(self) -> None:
-        """Compile every variant of the check kernel at install, so that no request pays for a compile."""
-        self.tracker.warm_up(self.req_to_token_pool.req_to_token, page_div=self.page_size, per_token=True)
+        """Compile every variant of the check kernel at install, so that no request pays for a compile; then
+        prove the per-step path on this device (:meth:`VerdictRing.self_test`): a launch that must flag does."""
+        ring = self._ring or self._make_ring()
+        self.tracker.warm_up(self.req_to_token_pool.req_to_token, page_div=self.page_size, per_token=True,
+                             launch=ring.launch)
+        ring.self_test(self.tracker, PADDING_ROW)
 
     def resolve(self, pending: Pending, group=None) -> list[tuple[Any, str, bool]]:
-        """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale)."""
+        """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale).
+
+        The ranks' agreement is the verdict all-reduced at launch (``pending.agreed``), or else, with a CPU
+        ``group``, one small all-reduce here.
+        """
         if pending.ready is not None:
             pending.ready.synchronize()
-        if group is None and not any(pending.stale) and not bool(pending.verdict_host.any()):
-            return []  # the steady state: nothing flagged, nothing to agree on
+        flagged = self._ring.flagged(pending.slot, pending.stamp)
+        agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
+        if not flagged and not any(pending.stale) and (agreed is None and group is None or
+                                                       agreed is not None and not bool(agreed.any())):
+            return []  # the steady state: nothing flagged here or on any rank
+        verdict_host = pending.check.verdict.cpu() if flagged else None  # rare: which requests
         rids = [str(req.rid) for req in pending.reqs]
         # NOTE: a request already finished (aborted on an earlier verdict, or finished since: the overlap
         # scheduler's in-flight batch still holds it) is neither counted nor aborted again: one violation
         # per flagged request. Every rank skips the same requests (finishing is agreed across ranks).
         done = [bool(req.finished() or req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
         found = {err.request_id: err for err in
-                 self.tracker.resolve(pending.check, pending.verdict_host, rids, ignore=done)}
+                 self.tracker.resolve(pending.check, verdict_host, rids, ignore=done)}
         flags = [0 if d else 1 if rid in found or stale else 0 for rid, stale, d in zip(rids, pending.stale, done)]
-        flags = _all_reduce_max(flags, group)
+        if agreed is not None:
+            flags = [0 if d else int(f or a) for f, a, d in zip(flags, agreed.tolist(), done)]
+        else:
+            flags = _all_reduce_max(flags, group)
         out = []
         for req, rid, flag, stale in zip(pending.reqs, rids, flags, pending.stale):
             if not flag:
@@ -160,8 +190,21 @@ class SGLangGuard(PoolFollower):
         """Before a decode step is prepared: (req, message, stale here) for every request whose row SGLang
         gave to another request, here or (attention TP, ``group``) on a peer rank: all ranks drop the same
         requests. A request stale only on a peer still owns its row here and is released normally."""
-        local = [s and not req.finished() for req, s in zip(batch.reqs, self.stale(batch))]
+        stale = self.stale(batch)
+        if group is None and not any(stale):
+            return []  # the steady state (cached per batch composition and row-pool change)
+        # NOTE (attention TP): a row changes hands only in the row pool's alloc, and every rank makes the same
+        # allocations and the same batches (SGLang schedules alike on every rank); a bug on one rank changes
+        # which row it hands out, not whether it allocates. So the ranks agree once per batch composition and
+        # row-pool change, all at the same step, and skip the collective in the steady state.
+        key = (len(batch.reqs), self.rows_version)
+        agreed_for = batch.__dict__.get("_kvguard_agreed")
+        if group is not None and agreed_for is not None and agreed_for[0] is batch.reqs and agreed_for[1:] == key:
+            return []
+        local = [s and not req.finished() for req, s in zip(batch.reqs, stale)]
         agreed = _all_reduce_max([int(s) for s in local], group)
+        if group is not None:
+            batch._kvguard_agreed = (batch.reqs,) + key
         return [(req, self.stale_message(req) if here else
                  f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, stale row)", bool(here))
                 for req, here, flag in zip(batch.reqs, local, agreed) if flag]
@@ -237,3 +280,85 @@ def _all_reduce_max(flags: list[int], group) -> list[int]:
     from sglang.srt.disaggregation.utils import all_reduce_flags
 
     return all_reduce_flags(flags, group, torch.distributed.ReduceOp.MAX)
+
+
+class VerdictRing:
+    """The per-step check's buffers, reused round robin: no allocation, no new event per step.
+
+    Slot ``i`` has a flag cell in pinned host memory (the check writes its stamp there when anything is
+    bad), a device verdict buffer (grown when a batch needs more cells) and a CUDA event. NOTE: at most two
+    checks are in flight (the overlap scheduler's batch N, resolved after N+1 was launched, plus a
+    prefill's); a ring of VERDICT_RING slots is never reused before its verdict was read.
+    """
+
+    def __init__(self, launch, device: torch.device):
+        self.launch, self.device = launch, device
+        cuda = device.type == "cuda"
+        self.host_flags = torch.zeros(VERDICT_RING, dtype=torch.int64, pin_memory=cuda)
+        self.host_cells = [self.host_flags[i:i + 1] for i in range(VERDICT_RING)]
+        self._host_np = self.host_flags.numpy()
+        self.device_flags = None  # set by self_test when the device cannot write pinned memory directly
+        self.flag_cells = self.host_cells
+        self.events = [torch.cuda.Event() for _ in range(VERDICT_RING)] if cuda else None
+        self._verdicts = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
+        self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
+        self.turn, self.stamp = 0, 0
+
+    def agreed_host(self, slot: int, need: int) -> torch.Tensor:
+        """Attention TP: the host buffer (pinned) the agreed verdict of ``slot`` is copied into."""
+        buf = self._agreed[slot]
+        if buf.numel() < need:
+            buf = self._agreed[slot] = torch.empty(1 << (need - 1).bit_length(), dtype=torch.int32,
+                                                   pin_memory=self.device.type == "cuda")
+        return buf[:need]
+
+    def verdict(self, slot: int, batch: int, max_entries: int) -> torch.Tensor:
+        from ..kernels.tag_check import n_chunks_for
+
+        need = batch * n_chunks_for(max_entries)
+        buf = self._verdicts[slot]
+        if buf.numel() < need:  # rare: a bigger batch or longer rows than before (grown in powers of two)
+            buf = self._verdicts[slot] = torch.empty(1 << (need - 1).bit_length(), dtype=torch.int32,
+                                                     device=self.device)
+        return buf
+
+    def flagged(self, slot: int, stamp: int) -> bool:
+        return int(self._host_np[slot]) == stamp
+
+    def self_test(self, tracker, row: int) -> None:
+        """At install: a check of one entry nothing was recorded for (the padding row) must flag, in the host
+        cell and in the verdict, through both the first (JIT) and the direct launch; an empty one must not.
+        Falls back to a device flag copied to the host if the device cannot write the pinned cell; raises
+        if the verdict itself is wrong (kvguard must not serve a check it cannot trust)."""
+        for fallback in (False, True):
+            if fallback:
+                if self.device.type != "cuda":
+                    break
+                log.warning("kvguard: this device does not write pinned host memory from a kernel; the "
+                            "check's flag is copied to the host instead")
+                self.device_flags = torch.zeros(VERDICT_RING, dtype=torch.int64, device=self.device)
+                self.flag_cells = [self.device_flags[i:i + 1] for i in range(VERDICT_RING)]
+            if all(self._probe(tracker, row, n) for n in (1, 0, 1, 0, 1)):
+                return
+        raise RuntimeError(f"kvguard: the check's self-test failed on {self.device}: its flag cell does not "
+                           f"show the verdict; refusing to serve")
+
+    def _probe(self, tracker, row: int, n: int) -> bool:
+        """One self-test launch of ``n`` unrecorded entries: True if the flag cell agrees with the verdict."""
+        dev = self.device
+        rows = torch.full((1,), row, dtype=torch.int64, device=dev)
+        n_entries = torch.full((1,), n, dtype=torch.int64, device=dev)
+        slot = self.turn = (self.turn + 1) % VERDICT_RING
+        self.stamp = self.stamp % STAMP_LIMIT + 1
+        verdict = self.verdict(slot, 1, 1)
+        with tracker.lock:
+            self.launch(rows, rows, n_entries, max_entries=1, verdict=verdict, flag=self.flag_cells[slot],
+                        stamp=self.stamp)
+        if self.device_flags is not None:
+            self.host_cells[slot].copy_(self.device_flags[slot:slot + 1])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if (int(verdict[0]) > 0) != (n > 0):
+            raise RuntimeError(f"kvguard: the check's self-test failed on {dev}: an entry with nothing recorded "
+                               f"was {'not ' if n else ''}flagged; refusing to serve")
+        return self.flagged(slot, self.stamp) == (n > 0)

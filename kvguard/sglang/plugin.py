@@ -335,25 +335,32 @@ def guards() -> list[SGLangGuard]:
     return list(_guards)
 
 
-_GROUP: list = []  # the attention-TP CPU group of this process once looked up (None: one rank, nothing to agree)
+_GROUP: list = []  # this process's attention-TP (cpu group, device group) once looked up; (None, None): one rank
 
 
-def _attn_tp_cpu_group():
-    """The attention-TP CPU group the ranks agree over, or None with a single rank (looked up once)."""
+def _attn_tp() -> tuple:
+    """The attention-TP groups the ranks agree over: (CPU group, device group), or (None, None) with one rank.
+
+    Looked up once (SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself)."""
     if _GROUP:
         return _GROUP[0]
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None  # not yet: looked up again later
+        return None, None  # not yet: looked up again later
     try:
         from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
-        group = get_attn_tp_group().cpu_group
+        coordinator = get_attn_tp_group()
+        groups = (coordinator.cpu_group, coordinator.device_group)
     except Exception:  # no attention-TP group in this process
-        group = None
-    if group is not None and torch.distributed.get_world_size(group) == 1:
-        group = None  # NOTE: SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself
-    _GROUP.append(group)
-    return group
+        groups = (None, None)
+    if groups[0] is not None and torch.distributed.get_world_size(groups[0]) == 1:
+        groups = (None, None)
+    _GROUP.append(groups)
+    return groups
+
+
+def _attn_tp_cpu_group():
+    return _attn_tp()[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -395,23 +402,31 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     stale = guard.stale(batch)
     batch._kvguard_stale = stale  # this step's check (same prepare_for_decode, same requests) reuses it
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
-    if not any(stale):
-        out_cache_loc = original(batch, token_per_req, *args, **kwargs)
-    else:
-        # NOTE: reached only by a batch prepared outside update_running_batch (mixed chunked prefill), which
-        # aborts stale requests before the step otherwise (_around_update_running_batch).
-        # SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
-        # row belongs to a newer request now, whose forward (possibly still in flight, overlap scheduler)
-        # reads that row: the stale request's slot must never land there. For this one call its row index
-        # is SGLang's padding row (a new tensor: the in-flight batch keeps its own); it is aborted at this
-        # step's verdict and its write slot goes to the padding slot.
-        rows = batch.req_pool_indices
-        batch.req_pool_indices = torch.where(guard.to_device(stale, torch.bool), PADDING_ROW, rows)
-        try:
+    # The step's new pages are bumped by its record launch below (one launch for both), unless a page
+    # history is kept (it notes each bump where it happens).
+    guard.defer_bump = guard.tracker.history is None
+    try:
+        if not any(stale):
             out_cache_loc = original(batch, token_per_req, *args, **kwargs)
-        finally:
-            batch.req_pool_indices = rows
-    guard.record_decode(batch, out_cache_loc, stale)
+        else:
+            # NOTE: reached only by a batch prepared outside update_running_batch (mixed chunked prefill), which
+            # aborts stale requests before the step otherwise (_around_update_running_batch).
+            # SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
+            # row belongs to a newer request now, whose forward (possibly still in flight, overlap scheduler)
+            # reads that row: the stale request's slot must never land there. For this one call its row index
+            # is SGLang's padding row (a new tensor: the in-flight batch keeps its own); it is aborted at this
+            # step's verdict and its write slot goes to the padding slot.
+            rows = batch.req_pool_indices
+            batch.req_pool_indices = torch.where(guard.to_device(stale, torch.bool), PADDING_ROW, rows)
+            try:
+                out_cache_loc = original(batch, token_per_req, *args, **kwargs)
+            finally:
+                batch.req_pool_indices = rows
+        guard.defer_bump = False
+        guard.record_decode(batch, out_cache_loc, stale)
+    finally:
+        guard.defer_bump = False
+        guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     return out_cache_loc
 
 
@@ -466,7 +481,7 @@ def _launch(batch, what: str) -> None:
         raise unchecked("speculative_decoding")
     if what == "extend" and batch.is_dllm():
         raise unchecked("dllm")
-    guard.launch(batch)
+    guard.launch(batch, device_group=_attn_tp()[1])
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):

@@ -135,7 +135,7 @@ def test_entry_inside_a_page_is_checked(make_rig, kind):
         rig.row(a)[5] = own * ps + 6  # token 5 reads token 6's KV
     rig.decode(batch)
     assert rig.verdict(batch) == {a.rid: 1, b.rid: 0}
-    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.verdict_host, [a.rid, b.rid])
+    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.check.verdict.cpu(), [a.rid, b.rid])
     assert err[0].logical_position == 5
     assert err[0].reason == ("tag_mismatch" if kind == "other_page" else "misplaced_in_page")
 

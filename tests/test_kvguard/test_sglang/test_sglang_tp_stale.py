@@ -1,4 +1,5 @@
-"""A stale row under attention TP: the ranks agree on whom to abort before the decode step (2 gloo ranks).
+"""Attention TP (2 gloo ranks): the ranks agree on whom to abort, for a stale row before the decode step and
+for a broken table entry at the verdict (the device-group all-reduce at launch).
 
 Each rank is a process with SGLang 0.5.23's real pools, allocator, radix tree and ScheduleBatch, kvguard's
 hooks applied by SGLang's own plugin loader. The bug happens on rank 1 only (its row pool releases a running
@@ -58,13 +59,46 @@ def _rank(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_ranks_agree_on_a_stale_row_seen_by_one_rank():
+def _rank_verdict(rank: int, port: int, out) -> None:
+    os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
+    import sglang.srt.managers.scheduler  # noqa: F401
+    import sglang.srt.plugins as plugins
+
+    from faultlab.sglang_rig import Rig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        plugins._plugins_loaded = False
+        plugins.load_plugins()
+        rig = Rig(16)
+        guard = rig.install()
+        batch = rig.running(40, 35, 20)
+        victim = batch.reqs[1]
+        results = []
+        for step in range(3):
+            if rank == 1 and step == 1:  # the bug, on this rank only: one entry names another request's page
+                table = rig.req_to_token_pool.req_to_token
+                table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
+            batch.prepare_for_decode()
+            pending = guard.launch(batch, device_group=dist.group.WORLD)  # what the hook does under attention TP
+            flagged = guard.resolve(pending, group=dist.group.WORLD)
+            results.append([(str(r.rid), m) for r, m, _ in flagged])
+            rig.sample(batch)
+        out.put({"rank": rank, "victim": str(victim.rid), "steps": results})
+    except BaseException as exc:
+        out.put({"rank": rank, "error": repr(exc)})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(target) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -74,6 +108,23 @@ def test_ranks_agree_on_a_stale_row_seen_by_one_rank():
     for p in procs:
         p.join(timeout=60)
     assert all("error" not in r for r in results.values()), results
+    return results
+
+
+def test_ranks_agree_on_a_broken_entry_seen_by_one_rank():
+    results = _run(_rank_verdict)
+    r0, r1 = results[0], results[1]
+    assert r0["victim"] == r1["victim"]
+    for r in (r0, r1):
+        assert r["steps"][0] == []  # clean before the bug
+        assert [rid for rid, _ in r["steps"][1]] == [r["victim"]]  # the same one request on both ranks
+        assert [rid for rid, _ in r["steps"][2]] in ([], [r["victim"]])  # still broken, or already gone
+    assert "tag_mismatch" in r1["steps"][1][0][1] or "page" in r1["steps"][1][0][1]  # explained where it broke
+    assert "peer tensor-parallel rank" in r0["steps"][1][0][1]  # the other rank aborts it too
+
+
+def test_ranks_agree_on_a_stale_row_seen_by_one_rank():
+    results = _run(_rank)
     r0, r1 = results[0], results[1]
     assert r0["victim"] == r1["victim"]
     assert r1["flagged"] == [(r1["victim"], True)]  # stale here: released without touching the row

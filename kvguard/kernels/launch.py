@@ -1,0 +1,64 @@
+"""Launching a compiled Triton kernel directly: the per-step launch of a server, without the JIT's per-call work.
+
+``kernel[grid](...)`` binds every argument, computes its specialization, hashes a cache key and looks the
+compiled variant up on every call (tens of microseconds of Python per launch, on the scheduler's thread).
+:class:`DirectLaunch` does that once per variant: the first call with a new ``key`` goes through the JIT
+(which compiles it, or finds it compiled at warm-up) and keeps the compiled kernel; later calls with the
+same key hand the raw arguments (pointers as ints) straight to Triton's C launcher.
+
+The caller's ``key`` must name everything the JIT specializes on among the arguments that vary between
+calls: each varying tensor's dtype, device kind and 16-byte alignment, each varying integer's width; the
+constexpr values are added here. Arguments fixed for the launcher's lifetime need not be in it.
+
+Off CUDA (the CPU interpreter, ``TRITON_INTERPRET=1``) every call goes through the JIT: same arguments,
+same kernel source, so the CPU tests run the argument logic this module feeds the GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+I32 = 2**31  # Triton passes an integer argument as i32 below this and as i64 from it (part of a variant)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def spec(t: torch.Tensor) -> tuple:
+    """What the JIT specializes on for a tensor argument: dtype, device kind, 16-byte alignment."""
+    return t.dtype, t.is_cuda, t.data_ptr() % 16 == 0
+
+
+class DirectLaunch:
+    """One ``@triton.jit`` function's compiled variants, launched directly on CUDA (see the module doc)."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn = fn
+        self.device = torch.device(device)
+        self.direct = self.device.type == "cuda" and not interpreted()
+        self.kernels: dict = {}
+        self.direct_launches = 0  # launches that bypassed the JIT (tests and benchmarks read it)
+        if self.direct:
+            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._knobs = getattr(triton, "knobs", None)
+
+    def __call__(self, grid: tuple, key: tuple, args: tuple, constexprs: dict) -> None:
+        kernel = self.kernels.get(key) if self.direct else None
+        if kernel is None:
+            compiled = self.fn[grid](*args, **constexprs)
+            if self.direct and compiled is not None:
+                self.kernels[key] = compiled
+            return
+        stream = torch._C._cuda_getCurrentRawStream(self._index)
+        raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        raw.extend(constexprs.values())
+        knobs = self._knobs.runtime if self._knobs is not None else None
+        enter = None if knobs is None else knobs.launch_enter_hook
+        meta = kernel.launch_metadata(grid, stream, *raw) if enter is not None else None
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                   kernel.function, kernel.packed_metadata, meta, enter,
+                   None if knobs is None else knobs.launch_exit_hook, *raw)
+        self.direct_launches += 1
