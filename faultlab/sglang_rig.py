@@ -133,7 +133,7 @@ class Rig:
         pending = batch.__dict__.get("_kvguard")
         if pending is None:
             return {}
-        counts = pending.check.verdict.cpu().reshape(len(pending.reqs), -1).sum(1).tolist()
+        counts = pending.guard.check_of(pending).verdict.cpu().reshape(len(pending.reqs), -1).sum(1).tolist()
         return {req.rid: int(c) + (1 if s else 0) for req, c, s in zip(pending.reqs, counts, pending.stale)}
 
     def release(self, req, checkpoint: bool = False) -> None:

@@ -226,7 +226,7 @@ class TagTracker(NoopTracker):
 
         The check: every block size, row indices as int32 or int64, lengths as int64, without and with
         a write guard over ``slot_dtype`` slots (one per request, or segments), without and with the host
-        flag; the decode recorder (with and without its bump); the tag bump. Launches with nothing live;
+        flag (a server's launch); the decode recorder (with and without its bump); the tag bump. Launches with nothing live;
         counts no check and changes no state. ``launch``: the server's own :meth:`launcher` (its
         variants are then also its direct launches' first calls).
         """
@@ -236,13 +236,14 @@ class TagTracker(NoopTracker):
         from .kernels.tag_check import WriteGuard, block_sizes, n_chunks_for
 
         dev = self.expected.device
-        launch = launch or self.launcher(table, page_div=page_div, per_token=per_token)
         lens = torch.zeros(1, dtype=torch.int64, device=dev)
         slots = torch.full((1,), self.scratch_page * page_div, dtype=slot_dtype, device=dev)
         guards = (None, WriteGuard(slots), WriteGuard(slots, lens, lens))
-        flags = (None, torch.zeros(1, dtype=torch.int64, device=dev))
-        if dev.type == "cuda":  # a server's flag lives in pinned host memory
-            flags += (torch.zeros(1, dtype=torch.int64, pin_memory=True),)
+        # A server's launch (``launch`` given) always writes its host flag (pinned memory on CUDA); the plain
+        # tag_check API none: one set of variants each, not both.
+        flags = (None,) if launch is None else \
+            (torch.zeros(1, dtype=torch.int64, pin_memory=dev.type == "cuda"),)
+        launch = launch or self.launcher(table, page_div=page_div, per_token=per_token)
         for dtype in (torch.int32, torch.int64):  # row indices arrive as either
             rows = torch.zeros(1, dtype=dtype, device=dev)
             for n_entries, guard in [(rows, None)] + [(lens, g) for g in guards]:
@@ -283,11 +284,15 @@ class TagTracker(NoopTracker):
         with self.lock:
             verdict = launch(table_rows, rows, n_entries, max_entries=max_entries, verdict=verdict, guard=guard,
                              flag=flag, stamp=stamp)
+        self.count_check(entries_hint)
+        return Check(verdict, rows, launch.table, table_rows, launch.entry_step, launch.page_div, launch.per_token)
+
+    def count_check(self, entries: int | None = None) -> None:
+        """One check launched (``entries`` entries read): the metrics a bound launch counts itself."""
         self.metrics.checks.inc()
         self.checks_launched += 1
-        if entries_hint is not None:
-            self.metrics.entries.inc(entries_hint)
-        return Check(verdict, rows, launch.table, table_rows, launch.entry_step, launch.page_div, launch.per_token)
+        if entries is not None:
+            self.metrics.entries.inc(entries)
 
     # -- the check ---------------------------------------------------------------------------------
     def validate(self, table, rows, n_entries, *, max_entries, table_rows=None, source=None,

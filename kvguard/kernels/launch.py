@@ -7,8 +7,9 @@ compiled variant up on every call (tens of microseconds of Python per launch, on
 same key hand the raw arguments (pointers as ints) straight to Triton's C launcher.
 
 The caller's ``key`` must name everything the JIT specializes on among the arguments that vary between
-calls: each varying tensor's dtype, device kind and 16-byte alignment, each varying integer's width; the
-constexpr values are added here. Arguments fixed for the launcher's lifetime need not be in it.
+calls. Our kernels name every such argument in ``do_not_specialize`` and ``do_not_specialize_on_alignment``,
+so what is left is each varying tensor's dtype and device kind and each varying integer's width (i32 or
+i64), plus the constexpr values. Arguments fixed for the launcher's lifetime need not be in it.
 
 Off CUDA (the CPU interpreter, ``TRITON_INTERPRET=1``) every call goes through the JIT: same arguments,
 same kernel source, so the CPU tests run the argument logic this module feeds the GPU.
@@ -28,8 +29,8 @@ def interpreted() -> bool:
 
 
 def spec(t: torch.Tensor) -> tuple:
-    """What the JIT specializes on for a tensor argument: dtype, device kind, 16-byte alignment."""
-    return t.dtype, t.is_cuda, t.data_ptr() % 16 == 0
+    """What the JIT specializes on for a tensor argument it may not specialize on otherwise: dtype, device kind."""
+    return t.dtype, t.is_cuda
 
 
 class DirectLaunch:
@@ -47,18 +48,23 @@ class DirectLaunch:
 
     def __call__(self, grid: tuple, key: tuple, args: tuple, constexprs: dict) -> None:
         kernel = self.kernels.get(key) if self.direct else None
-        if kernel is None:
+        if kernel is None or self.hooked():
             compiled = self.fn[grid](*args, **constexprs)
             if self.direct and compiled is not None:
                 self.kernels[key] = compiled
             return
-        stream = torch._C._cuda_getCurrentRawStream(self._index)
         raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         raw.extend(constexprs.values())
-        knobs = self._knobs.runtime if self._knobs is not None else None
-        enter = None if knobs is None else knobs.launch_enter_hook
-        meta = kernel.launch_metadata(grid, stream, *raw) if enter is not None else None
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                   kernel.function, kernel.packed_metadata, meta, enter,
-                   None if knobs is None else knobs.launch_exit_hook, *raw)
+        self.run(kernel, (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), raw)
+
+    def hooked(self) -> bool:
+        """A launch hook is set (a profiler such as Proton): launches go through the JIT, which calls it."""
+        knobs = self._knobs.runtime if self.direct and self._knobs is not None else None
+        return knobs is not None and (knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None)
+
+    def run(self, kernel, grid: tuple, raw: list) -> None:
+        """One direct launch of a compiled variant: ``raw`` is every argument in signature order (pointers as
+        ints, constexprs included), ``grid`` three ints."""
+        stream = torch._C._cuda_getCurrentRawStream(self._index)
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *raw)
         self.direct_launches += 1

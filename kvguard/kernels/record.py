@@ -24,8 +24,13 @@ from .launch import I32, DirectLaunch, spec
 BLOCK = 128  # one program loops over the batch in chunks of BLOCK, carrying the allocation count
 
 
-@triton.jit(do_not_specialize=["batch", "n_fresh", "n_rows", "width", "page_size", "exp_stride", "pages_stride",
-                               "base"])
+_PER_STEP = ["rows_ptr", "pos_ptr", "slots_ptr", "fresh_ptr", "skip_ptr", "alloc_ptr", "batch", "n_fresh", "base"]
+
+
+# NOTE: the per-step tensors and integers are never specialized on (value or alignment): one variant per dtype
+# set serves every step (see kvguard.kernels.tag_check).
+@triton.jit(do_not_specialize=["n_rows", "width", "page_size", "exp_stride", "pages_stride"] + _PER_STEP,
+            do_not_specialize_on_alignment=_PER_STEP)
 def _record_decode_kernel(
     expected_ptr, expected_pages_ptr, rows_ptr, pos_ptr, slots_ptr, fresh_ptr, skip_ptr, tags_ptr,
     batch, n_fresh, n_rows, width, page_size, exp_stride, pages_stride, alloc_ptr, base,
@@ -130,7 +135,7 @@ class DecodeRecorder:
         has_alloc = alloc is not None and alloc.numel() > 0
         key = (has_fresh, skip is not None, has_alloc, spec(rows), spec(pos), spec(slots),
                spec(fresh) if has_fresh else None, spec(skip) if skip is not None else None,
-               spec(alloc) if has_alloc else None, base < I32)
+               spec(alloc) if has_alloc else None, base < I32, rows.numel() < I32)
         if key not in self._seen or not rows.numel() == pos.numel() == slots.numel():
             _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, ps)
             if has_alloc and (alloc.dim() != 1 or alloc.dtype not in (torch.int32, torch.int64)
@@ -184,7 +189,8 @@ def record_decode_ref(expected, expected_pages, rows, pos, slots, tags, *, page_
     expected_pages[r, c] = pages[ok].to(torch.int32)
 
 
-@triton.jit(do_not_specialize=["n", "base"])
+@triton.jit(do_not_specialize=["pages_ptr", "fresh_ptr", "n", "base"],
+            do_not_specialize_on_alignment=["pages_ptr", "fresh_ptr", "n", "base"])
 def _bump_kernel(tags_ptr, pages_ptr, fresh_ptr, n, base, FRESH: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n

@@ -58,8 +58,15 @@ class WriteGuard:
 GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS = 0, 1, 2  # the kernel's write-guard modes
 
 
-@triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "cap", "slot_limit", "scratch_page", "n_chunks",
-                               "scratch_slot", "stamp"])
+_PER_STEP = ["table_rows_ptr", "expected_rows_ptr", "n_entries_ptr", "verdict_ptr", "out_ptr", "out_starts_ptr",
+             "out_lens_ptr", "flag_ptr", "cap", "n_chunks", "stamp", "scratch_slot"]
+
+
+# NOTE: what changes between steps (the per-step tensors, their offsets, the grid-shaped integers) is never
+# specialized on, value or alignment: one compiled variant serves every step (no compile mid-serving), and a
+# direct launch (kvguard.kernels.launch) needs to know only the dtypes to pick it.
+@triton.jit(do_not_specialize=["table_nrows", "expected_nrows", "slot_limit", "scratch_page"] + _PER_STEP,
+            do_not_specialize_on_alignment=_PER_STEP)
 def _tag_check_kernel(
     table_ptr, table_rows_ptr, expected_rows_ptr, n_entries_ptr, tags_ptr, expected_ptr, verdict_ptr,
     table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_page, n_chunks,
@@ -211,6 +218,11 @@ def tag_check(table, table_rows, expected_rows, n_entries, tags, expected, *, ma
                   flag=flag, stamp=stamp, block=block)
 
 
+def cap_fits(table, expected) -> bool:
+    """The widest ``cap`` of a check over these tables fits an i32 argument (it always does in practice)."""
+    return max(table.shape[1], expected.shape[1]) * 256 < I32
+
+
 def n_chunks_for(max_entries: int, block: int | None = None) -> int:
     """How many programs per batch entry a check of ``max_entries`` entries launches (verdict columns)."""
     return max(1, -(-max_entries // _block_for(max_entries, block)))
@@ -235,6 +247,8 @@ class CheckLaunch:
         self.kernel = DirectLaunch(_tag_check_kernel, table.device)
         self._seen: set = set()  # argument variants validated in full
         self._fixed = (table.stride(0), expected.stride(0), table.shape[0], expected.shape[0])
+        self._cap_fits = table.dim() == 2 and expected.dim() == 2 and cap_fits(table, expected)
+        self.last_key: tuple | None = None  # the variant of the last call (BoundCheck picks its compiled kernel)
 
     def __call__(self, table_rows, expected_rows, n_entries, *, max_entries: int, verdict: torch.Tensor,
                  guard: WriteGuard | None = None, flag: torch.Tensor | None = None, stamp: int = 1,
@@ -253,7 +267,8 @@ class CheckLaunch:
         lens = verdict if mode != GUARD_SEGMENTS else guard.lens
         flag_t = verdict if flag is None else flag
         key = (blk, mode, flag is not None, spec(table_rows), spec(expected_rows), spec(n_entries), spec(verdict),
-               spec(out), spec(starts), spec(lens), spec(flag_t), 0 < stamp < I32)
+               spec(out), spec(starts), spec(lens), spec(flag_t), 0 < stamp < I32, self._cap_fits)
+        self.last_key = key
         if key not in self._seen:
             _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, self.entry_step,
                            self.page_div, self.per_token, guard, flag)
@@ -279,6 +294,61 @@ class CheckLaunch:
         ), dict(ENTRY_STEP=self.entry_step, PAGE_DIV=self.page_div, PER_TOKEN=self.per_token,
                 QUARANTINE=self.quarantine, GUARD=mode, FLAG=flag is not None, BLOCK=blk))
         return out_verdict
+
+
+class BoundCheck:
+    """A per-token check with a one-slot-per-request write guard, bound to one batch's row indices and to the
+    caller's verdict buffers and flag cells (one of each per ring slot): a decode step's launch, in which only
+    the lengths, the write slots, the grid and the stamp change.
+
+    On CUDA the argument list is built once per ring slot; a step copies it, sets five entries and hands it to
+    the compiled kernel of its block size (the first step of each block size goes through
+    :class:`CheckLaunch`, which validates it in full and compiles or finds the variant). Anything unusual
+    (lengths or slots of another dtype or count, a launch hook set, no GPU) goes through :class:`CheckLaunch`.
+    Returns the number of verdict cells written (``B * n_chunks``).
+    """
+
+    def __init__(self, launch: CheckLaunch, table_rows: torch.Tensor, expected_rows: torch.Tensor,
+                 verdicts: list, flags: list, *, scratch_slot: int, n_dtype: torch.dtype, slot_dtype: torch.dtype):
+        self.launch, self.table_rows, self.expected_rows = launch, table_rows, expected_rows
+        self.verdicts, self.flags, self.scratch_slot = verdicts, flags, scratch_slot
+        self.batch = table_rows.numel()
+        if expected_rows.numel() != self.batch:
+            raise ValueError(f"tag_check: expected_rows has {expected_rows.numel()} entries for {self.batch} rows")
+        self.n_dtype, self.slot_dtype = n_dtype, slot_dtype
+        t, e = launch.table, launch.expected
+        self._widths = (-(-t.shape[1] // launch.entry_step), e.shape[1] * (launch.page_div if launch.per_token else 1))
+        self._kernels: dict = {}
+        kernel = launch.kernel
+        self.direct = kernel.direct and not launch.reference
+        self._raw = []
+        if self.direct:
+            t_stride, e_stride, t_rows, e_rows = launch._fixed
+            for verdict, flag in zip(verdicts, flags):
+                self._raw.append([t.data_ptr(), table_rows.data_ptr(), expected_rows.data_ptr(), 0, launch.tags.data_ptr(),
+                                  e.data_ptr(), verdict.data_ptr(), t_stride, e_stride, t_rows, e_rows, 0,
+                                  launch.tags.numel() * launch.page_div, launch.scratch_page, 0, 0, verdict.data_ptr(),
+                                  verdict.data_ptr(), scratch_slot, flag.data_ptr(), 0, launch.entry_step,
+                                  launch.page_div, launch.per_token, launch.quarantine, GUARD_ONE, True, 0])
+
+    def __call__(self, slot: int, n_entries: torch.Tensor, slots: torch.Tensor, max_entries: int, stamp: int) -> int:
+        blk = _block_for(max_entries, None)
+        n_chunks = max(1, -(-max_entries // blk))
+        kernel = self._kernels.get(blk) if self.direct else None
+        if kernel is None or n_entries.dtype != self.n_dtype or slots.dtype != self.slot_dtype \
+                or n_entries.numel() != self.batch or slots.numel() != self.batch \
+                or self.launch.kernel.hooked():
+            self.launch(self.table_rows, self.expected_rows, n_entries, max_entries=max_entries,
+                        verdict=self.verdicts[slot], guard=WriteGuard(slots, scratch=self.scratch_slot),
+                        flag=self.flags[slot], stamp=stamp)
+            if self.direct and n_entries.dtype == self.n_dtype and slots.dtype == self.slot_dtype:
+                self._kernels[blk] = self.launch.kernel.kernels.get(self.launch.last_key)
+            return self.batch * n_chunks
+        args = self._raw[slot].copy()
+        args[3], args[15], args[20], args[27] = n_entries.data_ptr(), slots.data_ptr(), stamp, blk
+        args[11], args[14] = min(n_chunks * blk, *self._widths), n_chunks
+        self.launch.kernel.run(kernel, (self.batch, n_chunks, 1), args)
+        return self.batch * n_chunks
 
 
 def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *, max_entries: int,

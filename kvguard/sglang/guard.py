@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels.tag_check import WriteGuard, apply_guard
+from ..kernels.tag_check import WriteGuard, apply_guard, n_chunks_for
 from ..tracker import Check
 from ..violations import KVGuardViolation
 from .follow import PoolFollower
@@ -33,13 +33,15 @@ class Pending:
     """A launched check, carried on the ScheduleBatch until its result is processed."""
 
     guard: "SGLangGuard"
-    check: Check
+    check: Check | None  # None for a bound launch until a flagged step needs it (SGLangGuard.check_of)
     reqs: list  # the Req objects, in batch order at check time
     slot: int  # the verdict ring slot: its host flag cell and its device verdict buffer
     stamp: int  # what the check writes into its flag cell when anything is bad
-    ready: Any  # a CUDA event recorded after the launch (and the flag copy, if any), or None (CPU)
     stale: list  # per request: its row now belongs to a newer owner (host-side generation check)
     agreed: torch.Tensor | None = None  # attention TP: the ranks' verdicts, MAX-reduced on the device, on the host
+    cells: int | None = None  # a bound launch: verdict cells written into the ring slot's buffer
+    rows: torch.Tensor | None = None  # the owner rows checked (device)
+    table_rows: torch.Tensor | None = None  # the batch's row indices the table was read at
 
 
 class SGLangGuard(PoolFollower):
@@ -80,16 +82,29 @@ class SGLangGuard(PoolFollower):
         if stale is None or len(stale) != len(batch.reqs):
             stale = self.stale(batch)
         ring = self._ring or self._make_ring()
-        guard = self.write_guard(batch)
         slot = ring.turn = (ring.turn + 1) % VERDICT_RING
         ring.stamp = stamp = ring.stamp % STAMP_LIMIT + 1
-        check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
-                                   table_rows=batch.req_pool_indices, verdict=ring.verdict(slot, len(batch.reqs),
-                                                                                           max_entries),
-                                   flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
-        if guard is not None and any(stale):
-            # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
-            apply_guard(guard, self.to_device(stale, torch.bool))
+        out = batch.out_cache_loc
+        if rows_.all_known and device_group is None and out is not None and out.numel() == len(batch.reqs):
+            # The decode step (the steady state): the launch bound to this batch's rows (built once per batch
+            # composition), into the ring's buffers, with the write guard over the step's one slot each.
+            bound = self._bound(batch, rows_, ring, out)
+            with self.tracker.lock:
+                cells = bound(slot, n_entries, out, max_entries, stamp)
+            self.tracker.count_check(total)
+            check = None
+            if any(stale):
+                # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
+                apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
+        else:
+            guard = self.write_guard(batch)
+            cells = None
+            check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
+                                       table_rows=batch.req_pool_indices,
+                                       verdict=ring.verdict(slot, len(batch.reqs), max_entries),
+                                       flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
+            if guard is not None and any(stale):
+                apply_guard(guard, self.to_device(stale, torch.bool))
         agreed = None
         if device_group is not None:
             agreed = check.verdict.clone()
@@ -99,15 +114,38 @@ class SGLangGuard(PoolFollower):
             host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
             host.copy_(agreed, non_blocking=True)
             agreed = host
-        ready = None
-        if ring.events is not None:
-            if ring.device_flags is not None:  # the fallback: the flag cell is on the device, copied here
-                ring.host_cells[slot].copy_(ring.device_flags[slot:slot + 1], non_blocking=True)
-            ready = ring.events[slot]
-            ready.record()
-        pending = Pending(self, check, list(batch.reqs), slot, stamp, ready, stale, agreed)
+        if ring.device_flags is not None:  # the fallback: the flag cell is on the device, copied here
+            ring.host_cells[slot].copy_(ring.device_flags[slot:slot + 1], non_blocking=True)
+        # NOTE: no event: everything above is on the stream before the forward, and resolve() reads it after
+        # SGLang's own wait for the forward's sampled ids (copy_done, or the stream).
+        pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, cells, rows_.owner_dev,
+                          batch.req_pool_indices)
         batch._kvguard = pending
         return pending
+
+    def _bound(self, batch, rows_, ring, out):
+        """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
+        on the batch while its rows and row-index tensor stay the same."""
+        from ..kernels.tag_check import BoundCheck
+
+        table_rows = batch.req_pool_indices
+        cached = batch.__dict__.get("_kvguard_bound")
+        if cached is not None and cached[0] is rows_ and cached[1] is table_rows and cached[2] is ring.generation:
+            return cached[3]
+        ring.reserve(len(batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
+        bound = BoundCheck(ring.launch, table_rows, rows_.owner_dev, ring.buffers(), ring.flag_cells,
+                           scratch_slot=SCRATCH_SLOT, n_dtype=batch.seq_lens.dtype, slot_dtype=out.dtype)
+        batch._kvguard_bound = (rows_, table_rows, ring.generation, bound)
+        return bound
+
+    def check_of(self, pending: Pending) -> Check:
+        """The launched check of ``pending`` as a :class:`kvguard.tracker.Check` (made here for a bound launch:
+        only a flagged step needs it)."""
+        if pending.check is None:
+            verdict = self._ring.buffers()[pending.slot][:pending.cells].view(len(pending.reqs), -1)
+            pending.check = Check(verdict, pending.rows, self.req_to_token_pool.req_to_token, pending.table_rows,
+                                  1, self.page_size, True)
+        return pending.check
 
     def _make_ring(self) -> "VerdictRing":
         self._ring = VerdictRing(self.tracker.launcher(self.req_to_token_pool.req_to_token, page_div=self.page_size,
@@ -146,30 +184,36 @@ class SGLangGuard(PoolFollower):
                              launch=ring.launch)
         ring.self_test(self.tracker, PADDING_ROW)
 
-    def resolve(self, pending: Pending, group=None) -> list[tuple[Any, str, bool]]:
+    def resolve(self, pending: Pending, group=None, done=None) -> list[tuple[Any, str, bool]]:
         """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale).
 
-        The ranks' agreement is the verdict all-reduced at launch (``pending.agreed``), or else, with a CPU
-        ``group``, one small all-reduce here.
+        ``done``: SGLang's wait for this batch's forward (its result's ``copy_done``); without one the
+        stream is waited for (what reading the sampled ids does next anyway). The ranks' agreement is the
+        verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
+        all-reduce here.
         """
-        if pending.ready is not None:
-            pending.ready.synchronize()
+        if self.device.type == "cuda":
+            if done is not None:
+                done.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).synchronize()
         flagged = self._ring.flagged(pending.slot, pending.stamp)
         agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
         if not flagged and not any(pending.stale) and (agreed is None and group is None or
                                                        agreed is not None and not bool(agreed.any())):
             return []  # the steady state: nothing flagged here or on any rank
-        verdict_host = pending.check.verdict.cpu() if flagged else None  # rare: which requests
+        check = self.check_of(pending)
+        verdict_host = check.verdict.cpu() if flagged else None  # rare: which requests
         rids = [str(req.rid) for req in pending.reqs]
         # NOTE: a request already finished (aborted on an earlier verdict, or finished since: the overlap
         # scheduler's in-flight batch still holds it) is neither counted nor aborted again: one violation
         # per flagged request. Every rank skips the same requests (finishing is agreed across ranks).
-        done = [bool(req.finished() or req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
+        finished = [bool(req.finished() or req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
         found = {err.request_id: err for err in
-                 self.tracker.resolve(pending.check, verdict_host, rids, ignore=done)}
-        flags = [0 if d else 1 if rid in found or stale else 0 for rid, stale, d in zip(rids, pending.stale, done)]
+                 self.tracker.resolve(check, verdict_host, rids, ignore=finished)}
+        flags = [0 if d else 1 if rid in found or stale else 0 for rid, stale, d in zip(rids, pending.stale, finished)]
         if agreed is not None:
-            flags = [0 if d else int(f or a) for f, a, d in zip(flags, agreed.tolist(), done)]
+            flags = [0 if d else int(f or a) for f, a, d in zip(flags, agreed.tolist(), finished)]
         else:
             flags = _all_reduce_max(flags, group)
         out = []
@@ -299,8 +343,8 @@ class VerdictRing:
         self._host_np = self.host_flags.numpy()
         self.device_flags = None  # set by self_test when the device cannot write pinned memory directly
         self.flag_cells = self.host_cells
-        self.events = [torch.cuda.Event() for _ in range(VERDICT_RING)] if cuda else None
         self._verdicts = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
+        self.generation = object()  # replaced whenever a buffer or flag cell is (bound launches hold pointers)
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
 
@@ -313,14 +357,22 @@ class VerdictRing:
         return buf[:need]
 
     def verdict(self, slot: int, batch: int, max_entries: int) -> torch.Tensor:
-        from ..kernels.tag_check import n_chunks_for
-
         need = batch * n_chunks_for(max_entries)
         buf = self._verdicts[slot]
         if buf.numel() < need:  # rare: a bigger batch or longer rows than before (grown in powers of two)
             buf = self._verdicts[slot] = torch.empty(1 << (need - 1).bit_length(), dtype=torch.int32,
                                                      device=self.device)
+            self.generation = object()
         return buf
+
+    def reserve(self, batch: int, width: int) -> None:
+        """Every slot's buffer holds a check of ``batch`` requests of up to ``width`` entries (a bound launch's
+        whole life: no buffer moves under it)."""
+        for slot in range(VERDICT_RING):
+            self.verdict(slot, batch, width)
+
+    def buffers(self) -> list:
+        return self._verdicts
 
     def flagged(self, slot: int, stamp: int) -> bool:
         return int(self._host_np[slot]) == stamp
@@ -338,6 +390,7 @@ class VerdictRing:
                             "check's flag is copied to the host instead")
                 self.device_flags = torch.zeros(VERDICT_RING, dtype=torch.int64, device=self.device)
                 self.flag_cells = [self.device_flags[i:i + 1] for i in range(VERDICT_RING)]
+                self.generation = object()
             if all(self._probe(tracker, row, n) for n in (1, 0, 1, 0, 1)):
                 return
         raise RuntimeError(f"kvguard: the check's self-test failed on {self.device}: its flag cell does not "

@@ -515,15 +515,18 @@ def _after_mix_with_running(result, batch, running_batch, *args, **kwargs):
     return None
 
 
-def _flagged(batch):
-    """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it."""
+def _flagged(batch, result):
+    """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it.
+
+    Read after SGLang's own wait for this batch's forward (``result.copy_done``), which the checks preceded
+    on the stream."""
     guard, flagged = None, []
     for name in _PENDING:
         pending = batch.__dict__.pop(name, None)
         if pending is None:
             continue
         guard = pending.guard
-        flagged += guard.resolve(pending, _attn_tp_cpu_group())
+        flagged += guard.resolve(pending, _attn_tp_cpu_group(), getattr(result, "copy_done", None))
     if flagged:
         in_batch = {id(req) for req in batch.reqs}
         flagged = [item for item in flagged if id(item[0]) in in_batch]
@@ -534,7 +537,7 @@ def _around_process_batch_result_prefill(original, processor, batch, result, *ar
     # NOTE: before SGLang commits and streams a first token: a flagged request is finished through
     # SGLang's own discard path (Req.discard_output_reason, as for a failed KV load): its token is not
     # committed, it is released without a checkpoint (kvguard's safe release) and its error is streamed.
-    guard, flagged = _flagged(batch)
+    guard, flagged = _flagged(batch, result)
     if flagged:
         guard.discard(flagged)
     return original(processor, batch, result, *args, **kwargs)
@@ -548,7 +551,7 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     # skipped; non-overlap: the finish handler is shadowed for that call, below), none of their tokens from this step is streamed
     # (finished_output is set), and update_running_batch's filter_batch() drops them from the running
     # batch, as for any finished request.
-    guard, flagged = _flagged(batch)
+    guard, flagged = _flagged(batch, result)
     aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
         if flagged else []
     if not aborted:

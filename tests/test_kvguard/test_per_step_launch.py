@@ -171,3 +171,41 @@ def test_bumper_matches_reference(with_fresh):
     assert torch.equal(got.cpu(), want) and rel_err(got.cpu(), want) == 0.0
     if with_fresh:
         assert torch.equal(fresh.cpu(), want_fresh)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_bound_check_matches_reference_step_after_step(ps):
+    """A decode batch's bound launch over several steps (lengths growing, crossing block sizes, a new ring
+    slot each step) gives the reference's verdict, flag and write guard every step."""
+    from kvguard.kernels.tag_check import BoundCheck
+
+    case = token_case(zlib.crc32(f"bound-{ps}".encode()), 11, ps, width=320)
+    c = on(DEVICE, case)
+    launch = CheckLaunch(c["table"], c["tags"], c["expected"], page_div=ps, per_token=True, quarantine=False)
+    ring = 4
+    verdicts = [torch.full((11 * n_chunks_for(320),), -3, dtype=torch.int32, device=DEVICE) for _ in range(ring)]
+    host = torch.zeros(ring, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
+    flags = [host[i:i + 1] for i in range(ring)]
+    bound = BoundCheck(launch, c["rows"], c["rows"], verdicts, flags, scratch_slot=0, n_dtype=torch.int64,
+                       slot_dtype=torch.int64)
+    gen = torch.Generator().manual_seed(ps)
+    for step, grow in enumerate((0, 9, 60, 150, 200, 230)):  # block sizes 64 .. 256, then two chunks
+        lens = (case["lens"] // 3 + grow).clamp(max=319)
+        slots = torch.randint(ps, 9_000, (11,), generator=gen)
+        got_slots = slots.to(DEVICE).clone()
+        slot = step % ring
+        cells = bound(slot, lens.to(DEVICE), got_slots, int(lens.max()), step + 1)
+        ref_guard = WriteGuard(slots.clone(), scratch=0)
+        want = tag_check_ref(case["table"], case["rows"], case["rows"], lens, case["tags"], case["expected"],
+                             max_entries=int(lens.max()), page_div=ps, per_token=True, quarantine=False,
+                             guard=ref_guard)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert cells == want.numel()
+        got = verdicts[slot][:cells].view(11, -1).cpu()
+        assert torch.equal(got, want), step
+        assert torch.equal(got_slots.cpu(), ref_guard.slots)
+        assert (int(host[slot]) == step + 1) == bool(want.any())
+    assert int(want.sum()) > 0  # the broken requests were in reach
+    if DEVICE.type == "cuda":
+        assert launch.kernel.direct_launches >= 2  # later steps of a block size went direct

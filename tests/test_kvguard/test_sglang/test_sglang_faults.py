@@ -37,7 +37,7 @@ def test_premature_free_is_caught_before_the_page_is_reused(rig_ps):
     rig.allocator.free(rig.page_slots(page))  # freed while the request still maps it
     rig.decode(batch)
     assert rig.verdict(batch) == {victim.rid: 1, other.rid: 0}
-    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.check.verdict.cpu(), [victim.rid, other.rid])
+    err = rig.guard.tracker.resolve(rig.guard.check_of(batch._kvguard), rig.guard.check_of(batch._kvguard).verdict.cpu(), [victim.rid, other.rid])
     assert [e.request_id for e in err] == [victim.rid]
     assert err[0].reason == "tag_mismatch" and err[0].page == page and err[0].logical_position == 0
 
@@ -64,7 +64,7 @@ def test_out_of_range_entry_is_flagged(rig_ps):
     rig.req_to_token_pool.req_to_token[a.kv.req_pool_idx, 0] = beyond
     rig.decode(batch)
     assert rig.verdict(batch) == {a.rid: 1, b.rid: 0}
-    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.check.verdict.cpu(), [a.rid, b.rid])
+    err = rig.guard.tracker.resolve(rig.guard.check_of(batch._kvguard), rig.guard.check_of(batch._kvguard).verdict.cpu(), [a.rid, b.rid])
     assert err[0].reason == "out_of_range" and err[0].found_tag is None
 
 
@@ -148,4 +148,4 @@ def test_no_host_sync_ops_in_the_clean_step_beyond_the_verdict(rig_ps):
     assert rig.guard.tracker.metrics.entries._value.get() - before == tokens
     ring = rig.guard._ring  # the clean step's answer is one host cell, not a device read
     assert ring.host_flags.device.type == "cpu" and not ring.flagged(batch._kvguard.slot, batch._kvguard.stamp)
-    assert torch.equal(batch._kvguard.check.source, rig.req_to_token_pool.req_to_token)
+    assert torch.equal(rig.guard.check_of(batch._kvguard).source, rig.req_to_token_pool.req_to_token)

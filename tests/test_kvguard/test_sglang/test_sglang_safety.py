@@ -135,7 +135,7 @@ def test_entry_inside_a_page_is_checked(make_rig, kind):
         rig.row(a)[5] = own * ps + 6  # token 5 reads token 6's KV
     rig.decode(batch)
     assert rig.verdict(batch) == {a.rid: 1, b.rid: 0}
-    err = rig.guard.tracker.resolve(batch._kvguard.check, batch._kvguard.check.verdict.cpu(), [a.rid, b.rid])
+    err = rig.guard.tracker.resolve(rig.guard.check_of(batch._kvguard), rig.guard.check_of(batch._kvguard).verdict.cpu(), [a.rid, b.rid])
     assert err[0].logical_position == 5
     assert err[0].reason == ("tag_mismatch" if kind == "other_page" else "misplaced_in_page")
 
@@ -286,7 +286,7 @@ def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig):
     rig.decode(running)
     new = rig.prefill(9)
     new.mix_with_running(running)
-    flagged = _flagged(new)[1]
+    flagged = _flagged(new, None)[1]
     assert [item[0].rid for item in flagged] == [a.rid]
 
 
