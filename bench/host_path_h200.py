@@ -7,8 +7,9 @@ synchronised every 32 calls and that wait left out):
 
 - ``check_before``: the check as the guard launched it up to now (``TagTracker.validate``: the JIT launch,
   a new verdict tensor, a pinned copy of it, an event);
-- ``check_now``: the per-step path (``TagTracker.check`` through the bound ``CheckLaunch``: the direct launch
-  into the ring's buffer, the host flag, an event);
+- ``check_now``: the per-step path of a decode batch (``BoundCheck``: the direct launch into the ring's
+  buffer with the host flag, no event), and ``check_general`` the same through ``CheckLaunch`` (extend
+  batches, attention TP);
 - ``record_before`` / ``record_now``: a decode step that starts a page for every request (``on_alloc`` then
   ``record_decode``; now one launch that bumps and records);
 - the pieces: an event record, a torch.empty, the lengths' max and sum;
@@ -26,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from kvguard.kernels.tag_check import WriteGuard
+from kvguard.kernels.tag_check import BoundCheck, WriteGuard
 from kvguard.settings import TrackerConfig
 from kvguard.sglang.guard import VerdictRing
 from kvguard.tracker import TagTracker
@@ -102,7 +103,20 @@ def main() -> None:
             host.copy_(check.verdict, non_blocking=True)
             events[0].record()
 
-        def check_now():
+        ring.reserve(B, width)
+        bound = BoundCheck(launch, rows, rows, ring.buffers(), ring.flag_cells, scratch_slot=0, n_dtype=seq.dtype,
+                           slot_dtype=slots.dtype)
+
+        def check_now():  # what SGLangGuard.launch does on a decode step
+            lens = seq_cpu.numpy()
+            max_entries, total = int(lens.max()), int(lens.sum())
+            slot = ring.turn = (ring.turn + 1) % 8
+            ring.stamp += 1
+            with tracker.lock:
+                bound(slot, seq, slots, max_entries, ring.stamp)
+            tracker.count_check(total)
+
+        def check_general():  # the same check through CheckLaunch (extend batches, attention TP)
             lens = seq_cpu.numpy()
             max_entries, total = int(lens.max()), int(lens.sum())
             slot = ring.turn = (ring.turn + 1) % 8
@@ -110,7 +124,6 @@ def main() -> None:
             tracker.check(launch, rows, seq, table_rows=rows, max_entries=max_entries,
                           verdict=ring.verdict(slot, B, max_entries), flag=ring.flag_cells[slot], stamp=ring.stamp,
                           guard=WriteGuard(slots, scratch=0), entries_hint=total)
-            ring.events[slot].record()
 
         pos = torch.full((B,), args.seq, dtype=torch.int64, device=dev)  # every request starts a page
         new_pages = pages[:, args.seq // ps].contiguous()
@@ -124,7 +137,8 @@ def main() -> None:
 
         lens_np = seq_cpu.numpy()
         row = {"batch": B}
-        for name, fn in (("check_before", check_before), ("check_now", check_now), ("record_before", record_before),
+        for name, fn in (("check_before", check_before), ("check_now", check_now), ("check_general", check_general),
+                         ("sync_stream", lambda: torch.cuda.current_stream(dev).synchronize()), ("record_before", record_before),
                          ("record_now", record_now), ("event_record", lambda: events[1].record()),
                          ("torch_empty", lambda: torch.empty(B * 36, dtype=torch.int32, device=dev)),
                          ("lens_max_sum", lambda: (int(lens_np.max()), int(lens_np.sum()))),
