@@ -33,6 +33,11 @@ def spec(t: torch.Tensor) -> tuple:
     return t.dtype, t.is_cuda
 
 
+def _set(hook) -> bool:
+    """A launch hook is set: a callable, or a non-empty ``HookChain`` (Triton 3.5+ keeps an empty chain)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class DirectLaunch:
     """One ``@triton.jit`` function's compiled variants, launched directly on CUDA (see the module doc)."""
 
@@ -60,7 +65,7 @@ class DirectLaunch:
     def hooked(self) -> bool:
         """A launch hook is set (a profiler such as Proton): launches go through the JIT, which calls it."""
         knobs = self._knobs.runtime if self.direct and self._knobs is not None else None
-        return knobs is not None and (knobs.launch_enter_hook is not None or knobs.launch_exit_hook is not None)
+        return knobs is not None and (_set(knobs.launch_enter_hook) or _set(knobs.launch_exit_hook))
 
     def run(self, kernel, grid: tuple, raw: list) -> None:
         """One direct launch of a compiled variant: ``raw`` is every argument in signature order (pointers as

@@ -42,6 +42,7 @@ class Pending:
     cells: int | None = None  # a bound launch: verdict cells written into the ring slot's buffer
     rows: torch.Tensor | None = None  # the owner rows checked (device)
     table_rows: torch.Tensor | None = None  # the batch's row indices the table was read at
+    ready: Any = None  # a CUDA event recorded after the launch (schedulers without copy_done), or None
 
 
 class SGLangGuard(PoolFollower):
@@ -116,10 +117,15 @@ class SGLangGuard(PoolFollower):
             agreed = host
         if ring.device_flags is not None:  # the fallback: the flag cell is on the device, copied here
             ring.host_cells[slot].copy_(ring.device_flags[slot:slot + 1], non_blocking=True)
-        # NOTE: no event: everything above is on the stream before the forward, and resolve() reads it after
-        # SGLang's own wait for the forward's sampled ids (copy_done, or the stream).
+        # NOTE: everything above is on the stream before the forward; resolve() reads it after SGLang's own
+        # wait for the forward's sampled ids (copy_done, the overlap scheduler's). A scheduler whose results
+        # carry none (no overlap) gets an event per check instead (VerdictRing.use_events, set by resolve).
+        ready = None
+        if ring.use_events:
+            ready = ring.events[slot]
+            ready.record()
         pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, cells, rows_.owner_dev,
-                          batch.req_pool_indices)
+                          batch.req_pool_indices, ready)
         batch._kvguard = pending
         return pending
 
@@ -187,15 +193,18 @@ class SGLangGuard(PoolFollower):
     def resolve(self, pending: Pending, group=None, done=None) -> list[tuple[Any, str, bool]]:
         """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale).
 
-        ``done``: SGLang's wait for this batch's forward (its result's ``copy_done``); without one the
-        stream is waited for (what reading the sampled ids does next anyway). The ranks' agreement is the
+        ``done``: SGLang's wait for this batch's forward (its result's ``copy_done``); without one, the event
+        recorded after the check (the first time: the stream, and events from then on). The ranks' agreement is the
         verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
         all-reduce here.
         """
         if self.device.type == "cuda":
             if done is not None:
                 done.synchronize()
-            else:
+            elif pending.ready is not None:
+                pending.ready.synchronize()
+            else:  # the first result without copy_done: wait for the stream once, record events from now on
+                self._ring.use_events = True
                 torch.cuda.current_stream(self.device).synchronize()
         flagged = self._ring.flagged(pending.slot, pending.stamp)
         agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
@@ -345,6 +354,8 @@ class VerdictRing:
         self.flag_cells = self.host_cells
         self._verdicts = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
         self.generation = object()  # replaced whenever a buffer or flag cell is (bound launches hold pointers)
+        self.events = [torch.cuda.Event() for _ in range(VERDICT_RING)] if cuda else None
+        self.use_events = False  # set by SGLangGuard.resolve when a result carries no copy_done to wait on
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
 
