@@ -113,7 +113,7 @@ def main() -> None:
             slot = ring.turn = (ring.turn + 1) % 8
             ring.stamp += 1
             with tracker.lock:
-                bound(slot, seq, slots, max_entries, ring.stamp)
+                bound(slot, rows, seq, slots, max_entries, ring.stamp)
             tracker.count_check(total)
 
         def check_general():  # the same check through CheckLaunch (extend batches, attention TP)

@@ -17,6 +17,9 @@ from faultlab.sglang_gpu.workload import pct
 TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
 FAULT_RANK_ENV = "KVGUARD_BENCH_FAULT_RANK"  # only this TP rank runs faultlab's injector hooks
 ABORT_LOG_ENV = "KVGUARD_BENCH_ABORT_LOG"  # JSON lines: every rank's kvguard aborts (rank, rid, message)
+# kvguard's methods that only wait, in SGLang's place, for what SGLang waits for next anyway (the forward's
+# sampled ids): reported on their own ("sglang_wait"), not as kvguard's host time.
+WAITS = {"SGLangGuard.wait_forward"}
 # A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
 # (the in-engine A/B of ``overhead --switch``: one engine instance, kvguard installed and its memory held in
 # both modes). Re-read at most every SWITCH_PERIOD_S; the harness flips it only while the engine is idle and
@@ -42,6 +45,9 @@ class _Prof:
         self.windows: list[dict] = []  # one summary per busy stretch between idle gaps (one workload run)
         self._window_start = 0  # index into iters where the current window began
         self._fn_start: dict[str, list] = {}  # per_fn at the window's start
+        self.wait_total = 0.0  # seconds in WAITS so far (subtracted from the hook that made them)
+        self.wait_acc = 0.0  # seconds in WAITS since the last decode iteration mark
+        self.waits: list[float] = []  # per decode iteration, beside iters
         self.switch_path = os.environ.get(SWITCH_ENV) or None
         self._switch_on, self._switch_read = True, -1.0
 
@@ -61,6 +67,8 @@ class _Prof:
 
     def timed(self, name: str, fn, around: bool = False, hook: bool = False):
         prof = self
+        if name in WAITS:
+            return self._timed_wait(name, fn)
 
         def wrapper(*a, **k):
             if prof.active:
@@ -79,13 +87,14 @@ class _Prof:
                     prof.active = True
 
             prof.active = True
+            waited = prof.wait_total
             t = time.perf_counter()
             try:
                 if around:
                     return fn(call_original, *a[1:], **k)
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t - sub[0]
+                dt = time.perf_counter() - t - sub[0] - (prof.wait_total - waited)
                 prof.active = False
                 prof.acc += dt
                 rec = prof.per_fn.setdefault(name, [0, 0.0])
@@ -97,12 +106,33 @@ class _Prof:
         wrapper.__module__ = getattr(fn, "__module__", None)
         return wrapper
 
+    def _timed_wait(self, name: str, fn):
+        """A wait kvguard makes in SGLang's place (WAITS): timed on its own, never counted as kvguard's work."""
+        prof = self
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                prof.wait_total += dt
+                prof.wait_acc += dt
+                rec = prof.per_fn.setdefault(name, [0, 0.0])
+                rec[0] += 1
+                rec[1] += dt
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        return wrapper
+
     def mark_iteration(self, batch_size: int = 0) -> None:
         """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
         now = time.perf_counter()
         idle = self.last_mark is None or now - self.last_mark > 0.5
         if not idle:
             self.iters.append(self.acc)
+            self.waits.append(self.wait_acc)
             self.steps.append(now - self.last_mark)
             self.batch.append(batch_size)
         else:
@@ -110,7 +140,7 @@ class _Prof:
             # request waits on it.
             self._close_window()
             self.dump()
-        self.acc, self.last_mark = 0.0, now
+        self.acc, self.wait_acc, self.last_mark = 0.0, 0.0, now
         self.total_iters += 1
 
     def _close_window(self) -> None:
@@ -121,6 +151,7 @@ class _Prof:
             self.windows.append({
                 "iterations": len(it), "batch_p50": pct(self.batch, 50), "batch_max": max(self.batch),
                 "kvguard_us_per_iter_p50": 1e6 * pct(it, 50), "kvguard_us_per_iter_p99": 1e6 * pct(it, 99),
+                "sglang_wait_us_per_iter_p50": 1e6 * pct(self.waits[self._window_start:], 50),
                 "step_ms_p50": 1e3 * pct(self.steps[self._window_start:], 50),
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * t / c}
                                              for k, (c, t) in sorted(fn.items()) if c}})

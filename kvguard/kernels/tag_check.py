@@ -249,6 +249,7 @@ class CheckLaunch:
         self._fixed = (table.stride(0), expected.stride(0), table.shape[0], expected.shape[0])
         self._cap_fits = table.dim() == 2 and expected.dim() == 2 and cap_fits(table, expected)
         self.last_key: tuple | None = None  # the variant of the last call (BoundCheck picks its compiled kernel)
+        self.bound_kernels: dict = {}  # BoundCheck's compiled variants, per (block, dtypes)
 
     def __call__(self, table_rows, expected_rows, n_entries, *, max_entries: int, verdict: torch.Tensor,
                  guard: WriteGuard | None = None, flag: torch.Tensor | None = None, stamp: int = 1,
@@ -297,9 +298,9 @@ class CheckLaunch:
 
 
 class BoundCheck:
-    """A per-token check with a one-slot-per-request write guard, bound to one batch's row indices and to the
-    caller's verdict buffers and flag cells (one of each per ring slot): a decode step's launch, in which only
-    the lengths, the write slots, the grid and the stamp change.
+    """A per-token check with a one-slot-per-request write guard, bound to one batch's expectation rows and to
+    the caller's verdict buffers and flag cells (one of each per ring slot): a decode step's launch, in which
+    only the table's row indices, the lengths, the write slots, the grid and the stamp change.
 
     On CUDA the argument list is built once per ring slot; a step copies it, sets five entries and hands it to
     the compiled kernel of its block size (the first step of each block size goes through
@@ -318,7 +319,8 @@ class BoundCheck:
         self.n_dtype, self.slot_dtype = n_dtype, slot_dtype
         t, e = launch.table, launch.expected
         self._widths = (-(-t.shape[1] // launch.entry_step), e.shape[1] * (launch.page_div if launch.per_token else 1))
-        self._kernels: dict = {}
+        self._kernels = launch.bound_kernels  # compiled variants per (block, dtypes), shared by every binding
+        self._dtypes = (table_rows.dtype, expected_rows.dtype, n_dtype, slot_dtype)
         kernel = launch.kernel
         self.direct = kernel.direct and not launch.reference
         self._raw = []
@@ -331,21 +333,26 @@ class BoundCheck:
                                   verdict.data_ptr(), scratch_slot, flag.data_ptr(), 0, launch.entry_step,
                                   launch.page_div, launch.per_token, launch.quarantine, GUARD_ONE, True, 0])
 
-    def __call__(self, slot: int, n_entries: torch.Tensor, slots: torch.Tensor, max_entries: int, stamp: int) -> int:
+    def __call__(self, slot: int, table_rows: torch.Tensor, n_entries: torch.Tensor, slots: torch.Tensor,
+                 max_entries: int, stamp: int) -> int:
+        """One step: ``table_rows`` (the batch's row indices now: SGLang may hand a new tensor each step),
+        ``n_entries`` and ``slots`` of the bound batch size and dtypes."""
         blk = _block_for(max_entries, None)
         n_chunks = max(1, -(-max_entries // blk))
-        kernel = self._kernels.get(blk) if self.direct else None
+        kernel = self._kernels.get((blk,) + self._dtypes) if self.direct else None
         if kernel is None or n_entries.dtype != self.n_dtype or slots.dtype != self.slot_dtype \
-                or n_entries.numel() != self.batch or slots.numel() != self.batch \
-                or self.launch.kernel.hooked():
-            self.launch(self.table_rows, self.expected_rows, n_entries, max_entries=max_entries,
+                or table_rows.dtype != self._dtypes[0] or not n_entries.numel() == slots.numel() \
+                == table_rows.numel() == self.batch or self.launch.kernel.hooked():
+            self.launch(table_rows, self.expected_rows, n_entries, max_entries=max_entries,
                         verdict=self.verdicts[slot], guard=WriteGuard(slots, scratch=self.scratch_slot),
                         flag=self.flags[slot], stamp=stamp)
-            if self.direct and n_entries.dtype == self.n_dtype and slots.dtype == self.slot_dtype:
-                self._kernels[blk] = self.launch.kernel.kernels.get(self.launch.last_key)
+            if self.direct and (n_entries.dtype, slots.dtype, table_rows.dtype) == \
+                    (self.n_dtype, self.slot_dtype, self._dtypes[0]):
+                self._kernels[(blk,) + self._dtypes] = self.launch.kernel.kernels.get(self.launch.last_key)
             return self.batch * n_chunks
         args = self._raw[slot].copy()
-        args[3], args[15], args[20], args[27] = n_entries.data_ptr(), slots.data_ptr(), stamp, blk
+        args[1], args[3], args[15] = table_rows.data_ptr(), n_entries.data_ptr(), slots.data_ptr()
+        args[20], args[27] = stamp, blk
         args[11], args[14] = min(n_chunks * blk, *self._widths), n_chunks
         self.launch.kernel.run(kernel, (self.batch, n_chunks, 1), args)
         return self.batch * n_chunks

@@ -91,7 +91,7 @@ class SGLangGuard(PoolFollower):
             # composition), into the ring's buffers, with the write guard over the step's one slot each.
             bound = self._bound(batch, rows_, ring, out)
             with self.tracker.lock:
-                cells = bound(slot, n_entries, out, max_entries, stamp)
+                cells = bound(slot, batch.req_pool_indices, n_entries, out, max_entries, stamp)
             self.tracker.count_check(total)
             check = None
             if any(stale):
@@ -131,17 +131,16 @@ class SGLangGuard(PoolFollower):
 
     def _bound(self, batch, rows_, ring, out):
         """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
-        on the batch while its rows and row-index tensor stay the same."""
+        on the batch while its composition and the ring's buffers stay the same."""
         from ..kernels.tag_check import BoundCheck
 
-        table_rows = batch.req_pool_indices
         cached = batch.__dict__.get("_kvguard_bound")
-        if cached is not None and cached[0] is rows_ and cached[1] is table_rows and cached[2] is ring.generation:
-            return cached[3]
+        if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
+            return cached[2]
         ring.reserve(len(batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
-        bound = BoundCheck(ring.launch, table_rows, rows_.owner_dev, ring.buffers(), ring.flag_cells,
+        bound = BoundCheck(ring.launch, batch.req_pool_indices, rows_.owner_dev, ring.buffers(), ring.flag_cells,
                            scratch_slot=SCRATCH_SLOT, n_dtype=batch.seq_lens.dtype, slot_dtype=out.dtype)
-        batch._kvguard_bound = (rows_, table_rows, ring.generation, bound)
+        batch._kvguard_bound = (rows_, ring.generation, bound)
         return bound
 
     def check_of(self, pending: Pending) -> Check:
@@ -198,14 +197,7 @@ class SGLangGuard(PoolFollower):
         verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
         all-reduce here.
         """
-        if self.device.type == "cuda":
-            if done is not None:
-                done.synchronize()
-            elif pending.ready is not None:
-                pending.ready.synchronize()
-            else:  # the first result without copy_done: wait for the stream once, record events from now on
-                self._ring.use_events = True
-                torch.cuda.current_stream(self.device).synchronize()
+        self.wait_forward(pending, done)
         flagged = self._ring.flagged(pending.slot, pending.stamp)
         agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
         if not flagged and not any(pending.stale) and (agreed is None and group is None or
@@ -238,6 +230,20 @@ class SGLangGuard(PoolFollower):
                 message = f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {rid})"
             out.append((req, message, bool(stale)))
         return out
+
+    def wait_forward(self, pending: Pending, done=None) -> None:
+        """Wait until the check of ``pending`` ran: SGLang's own wait for the forward's sampled ids (``done``,
+        the very wait SGLang makes next), or the event recorded after the check; the first time neither
+        exists, the stream, and events from then on."""
+        if self.device.type != "cuda":
+            return
+        if done is not None:
+            done.synchronize()
+        elif pending.ready is not None:
+            pending.ready.synchronize()
+        else:
+            self._ring.use_events = True
+            torch.cuda.current_stream(self.device).synchronize()
 
     def stale_aborts(self, batch, group=None) -> list[tuple[Any, str, bool]]:
         """Before a decode step is prepared: (req, message, stale here) for every request whose row SGLang

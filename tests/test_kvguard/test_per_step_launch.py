@@ -194,7 +194,7 @@ def test_bound_check_matches_reference_step_after_step(ps):
         slots = torch.randint(ps, 9_000, (11,), generator=gen)
         got_slots = slots.to(DEVICE).clone()
         slot = step % ring
-        cells = bound(slot, lens.to(DEVICE), got_slots, int(lens.max()), step + 1)
+        cells = bound(slot, c["rows"], lens.to(DEVICE), got_slots, int(lens.max()), step + 1)
         ref_guard = WriteGuard(slots.clone(), scratch=0)
         want = tag_check_ref(case["table"], case["rows"], case["rows"], lens, case["tags"], case["expected"],
                              max_entries=int(lens.max()), page_div=ps, per_token=True, quarantine=False,
