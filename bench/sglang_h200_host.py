@@ -2,9 +2,12 @@
 
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
-Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 1 runs after the
-host-path work, bench/results/sglang_h200_raw/dec01d and dec01e) and writes one row per (overlap,
-concurrency) in the issue's format, each raw file's command kept beside its rows.
+Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
+``--switch``, after the per-step launch work: bench/results/sglang_h200_raw/dec02e (overlap off, 8192/1000)
+and dec02d/on (overlap on, 1024/1000); then the December 1 runs before it, dec01d and dec01e) and writes one
+row per (run, overlap, concurrency) in the issue's format, each raw file's command kept beside its rows, and
+the per-piece host costs of ``bench/host_path_h200.py`` (dec02d/host_path.json) under ``pieces``.
+A row whose concurrency the run's time budget skipped has no ratios (null).
 """
 import argparse
 import json
@@ -12,7 +15,12 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
+DEFAULT = [os.path.join(RAW, "dec02e", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02d", "on", "overhead_switch_overlap_1024.json"),
+           os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
+PIECES = os.path.join(RAW, "dec02d", "host_path.json")
+NOTES = {"dec02d": "host_us counts SGLang's own wait for the forward (copy_done), which kvguard's verdict read "
+                   "made first; runs from dec02e on report it apart (sglang_wait_us_p50)"}
 KEYS = ("overlap", "concurrency", "page_size", "input_len", "output_len", "throughput_ratio", "itl_p50_ratio",
         "itl_p99_ratio", "aa_throughput_ratio", "aa_itl_p50_ratio", "host_us_p50", "host_us_p99", "tp")
 
@@ -27,17 +35,28 @@ def main() -> None:
         with open(path) as f:
             raw = json.load(f)
         commands.append(raw["command"])
+        windows = {w["batch_max"]: w for w in (raw.get("host_timing") or {}).get("windows", []) if w["iterations"] >= 10}
         for row in raw["rows"]:
-            rows.append({k: row.get(k) for k in KEYS} | {"pairs": row.get("pairs"), "raw": os.path.relpath(path, HERE),
-                                                         "sglang": raw["environment"].get("sglang")})
+            clean = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}  # NaN: not measured
+            wait = windows.get(row["concurrency"], {}).get("sglang_wait_us_per_iter_p50")
+            rows.append({k: clean.get(k) for k in KEYS} | {
+                "pairs": min(clean.get("n_off") or 0, clean.get("n_check") or 0) or None,
+                "in_engine_switch": bool(raw.get("switch")), "sglang_wait_us_p50": wait,
+                "raw": os.path.relpath(path, HERE), "sglang": raw["environment"].get("sglang"),
+                "note": next((n for d, n in NOTES.items() if f"/{d}/" in path), None)})
     out = {"command": " && ".join(commands), "sglang": rows[0]["sglang"] if rows else None, "rows": rows}
+    if os.path.exists(PIECES):
+        with open(PIECES) as f:
+            out["pieces"] = {"command": "python3 bench/host_path_h200.py --out $OUT --calls 1500",
+                             "raw": os.path.relpath(PIECES, HERE), **json.load(f)}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print("overlap | c | in/out | host us p50 / p99 | throughput | ITL p50 | ITL p99 (ratios check/off)")
     for r in rows:
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         print(f"{r['overlap']!s:>7} | {r['concurrency']:>3} | {r['input_len']}/{r['output_len']} | "
-              f"{r['host_us_p50']:.0f} / {r['host_us_p99']:.0f} | {r['throughput_ratio']:.4f} | "
-              f"{r['itl_p50_ratio']:.4f} | {r['itl_p99_ratio']:.4f}")
+              f"{f(r['host_us_p50'], '.0f')} / {f(r['host_us_p99'], '.0f')} | {f(r['throughput_ratio'], '.4f')} | "
+              f"{f(r['itl_p50_ratio'], '.4f')} | {f(r['itl_p99_ratio'], '.4f')}  ({r['raw']})")
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ class _Prof:
                 "step_ms_p50": 1e3 * pct(self.steps, 50) if self.steps else None,
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * s / c, "total_s": s}
                                              for k, (c, s) in sorted(self.per_fn.items())},
-                "windows": self.windows, "pid": os.getpid()}
+                "windows": self.windows, "pid": os.getpid(), "guards": _guard_stats()}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
@@ -183,6 +183,21 @@ class _Prof:
 
 
 _PROF: _Prof | None = None
+
+
+def _guard_stats() -> list:
+    """What each guard of this process built: batch compositions seen, bound launches, direct launches."""
+    try:
+        from kvguard.sglang.plugin import guards
+    except ImportError:
+        return []
+    out = []
+    for g in guards():
+        ring = g._ring
+        out.append({"rows_built": g.rows_built, "bindings": ring.bindings if ring else 0,
+                    "direct_launches": ring.launch.kernel.direct_launches if ring else 0,
+                    "checks": g.tracker.checks_launched})
+    return out
 
 
 def register_timing() -> None:

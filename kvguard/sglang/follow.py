@@ -80,6 +80,7 @@ class PoolFollower:
         # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.
         self.defer_bump = False
         self._pending_alloc: torch.Tensor | None = None
+        self.rows_built = 0  # BatchRows built (once per batch composition; a benchmark reads it)
         self.rows_version = 0  # bumped on every row allocation (what a batch's cached staleness depends on)
         # What each released row held, keyed by (row, SGLang's row generation): a request whose row was
         # taken from it (stale row) still holds these pages and lock, and gives them back on abort.
@@ -389,6 +390,7 @@ class PoolFollower:
         if cached is not None and cached.reqs is reqs and cached.n == len(reqs) \
                 and cached.version == self.known_version:
             return cached
+        self.rows_built += 1
         owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in reqs], dtype=torch.int64)
         clamped = owner.clamp(min=0)
         known = (owner >= 0) & self.known[clamped]

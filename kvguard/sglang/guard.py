@@ -138,6 +138,7 @@ class SGLangGuard(PoolFollower):
         if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
             return cached[2]
         ring.reserve(len(batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
+        ring.bindings += 1
         bound = BoundCheck(ring.launch, batch.req_pool_indices, rows_.owner_dev, ring.buffers(), ring.flag_cells,
                            scratch_slot=SCRATCH_SLOT, n_dtype=batch.seq_lens.dtype, slot_dtype=out.dtype)
         batch._kvguard_bound = (rows_, ring.generation, bound)
@@ -364,6 +365,7 @@ class VerdictRing:
         self.use_events = False  # set by SGLangGuard.resolve when a result carries no copy_done to wait on
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
+        self.bindings = 0  # bound launches built (once per batch composition; a benchmark reads it)
 
     def agreed_host(self, slot: int, need: int) -> torch.Tensor:
         """Attention TP: the host buffer (pinned) the agreed verdict of ``slot`` is copied into."""
