@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.sglang
 
 
-def _rank(rank: int, port: int, out) -> None:
+def _rank_rig(rank: int, port: int):
+    """This rank's process group and a rig with kvguard's hooks applied by SGLang's own loader: (rig, guard)."""
     os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
     import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
     import sglang.srt.plugins as plugins
@@ -27,11 +28,15 @@ def _rank(rank: int, port: int, out) -> None:
     from faultlab.sglang_rig import Rig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    plugins._plugins_loaded = False
+    plugins.load_plugins()
+    rig = Rig(16)
+    return rig, rig.install()
+
+
+def _rank(rank: int, port: int, out) -> None:
     try:
-        plugins._plugins_loaded = False
-        plugins.load_plugins()
-        rig = Rig(16)
-        guard = rig.install()
+        rig, guard = _rank_rig(rank, port)
         batch = rig.running(20, 35)
         victim = batch.reqs[0]
         if rank == 1:
@@ -60,18 +65,8 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def _rank_verdict(rank: int, port: int, out) -> None:
-    os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
-    import sglang.srt.managers.scheduler  # noqa: F401
-    import sglang.srt.plugins as plugins
-
-    from faultlab.sglang_rig import Rig
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        plugins._plugins_loaded = False
-        plugins.load_plugins()
-        rig = Rig(16)
-        guard = rig.install()
+        rig, guard = _rank_rig(rank, port)
         batch = rig.running(40, 35, 20)
         victim = batch.reqs[1]
         results = []
