@@ -20,6 +20,9 @@ ABORT_LOG_ENV = "KVGUARD_BENCH_ABORT_LOG"  # JSON lines: every rank's kvguard ab
 # kvguard's methods that only wait, in SGLang's place, for what SGLang waits for next anyway (the forward's
 # sampled ids): reported on their own ("sglang_wait"), not as kvguard's host time.
 WAITS = {"SGLangGuard.wait_forward"}
+# Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time).
+INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale", "SGLangGuard._bound",
+         "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts"}
 # A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
 # (the in-engine A/B of ``overhead --switch``: one engine instance, kvguard installed and its memory held in
 # both modes). Re-read at most every SWITCH_PERIOD_S; the harness flips it only while the engine is idle and
@@ -70,9 +73,17 @@ class _Prof:
         if name in WAITS:
             return self._timed_wait(name, fn)
 
+        inner = name in INNER
+
         def wrapper(*a, **k):
             if prof.active:
-                return fn(*a, **k)
+                if not inner:
+                    return fn(*a, **k)
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:  # a part of a hook's time, reported beside it (not added again)
+                    prof.count("inner:" + name, time.perf_counter() - t)
             if hook and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
                 return a[0](*a[1:], **k) if around else None
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
@@ -257,7 +268,7 @@ def register_timing() -> None:
 
     classes = {}
     for module, name in (("kvguard.sglang.guard", "SGLangGuard"), ("kvguard.sglang.plugin", "SGLangGuard"),
-                         ("kvguard.tracker", "TagTracker")):
+                         ("kvguard.sglang.follow", "PoolFollower"), ("kvguard.tracker", "TagTracker")):
         try:
             cls = getattr(importlib.import_module(module), name, None)
         except ImportError:
