@@ -20,4 +20,4 @@ demo: $(STAMP)
 	$(VENV)/bin/faultlab demo
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=15 tests
