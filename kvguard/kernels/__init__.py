@@ -1,5 +1,6 @@
 """kvguard's Triton kernels beside their torch references: the batched validation pass (``tag_check``, with
-the write guard riding on it) and the decode recorder (``record``).
+the write guard riding on it), the decode recorder and the tag bump (``record``), and the direct launch
+of their compiled variants that a server makes every step (``launch``).
 
 It lives inside the ``kvguard`` package on purpose: there is no top-level ``kernels`` folder, so a bare
 ``import kernels`` never finds this repository (SGLang and transformers import the PyPI package
