@@ -110,19 +110,17 @@ def main() -> None:
         def check_now():  # what SGLangGuard.launch does on a decode step
             lens = seq_cpu.numpy()
             max_entries, total = int(lens.max()), int(lens.sum())
-            slot = ring.turn = (ring.turn + 1) % 8
-            ring.stamp += 1
+            slot, stamp = ring.next()
             with tracker.lock:
-                bound(slot, rows, seq, slots, max_entries, ring.stamp)
+                bound(slot, rows, seq, slots, max_entries, stamp)
             tracker.count_check(total)
 
         def check_general():  # the same check through CheckLaunch (extend batches, attention TP)
             lens = seq_cpu.numpy()
             max_entries, total = int(lens.max()), int(lens.sum())
-            slot = ring.turn = (ring.turn + 1) % 8
-            ring.stamp += 1
+            slot, stamp = ring.next()
             tracker.check(launch, rows, seq, table_rows=rows, max_entries=max_entries,
-                          verdict=ring.verdict(slot, B, max_entries), flag=ring.flag_cells[slot], stamp=ring.stamp,
+                          verdict=ring.verdict(slot, B, max_entries), flag=ring.flag_cells[slot], stamp=stamp,
                           guard=WriteGuard(slots, scratch=0), entries_hint=total)
 
         pos = torch.full((B,), args.seq, dtype=torch.int64, device=dev)  # every request starts a page

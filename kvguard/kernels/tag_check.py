@@ -270,13 +270,10 @@ class CheckLaunch:
         key = (blk, mode, flag is not None, spec(table_rows), spec(expected_rows), spec(n_entries), spec(verdict),
                spec(out), spec(starts), spec(lens), spec(flag_t), 0 < stamp < I32, self._cap_fits)
         self.last_key = key
-        if key not in self._seen:
+        if key not in self._seen or not expected_rows.numel() == n_entries.numel() == batch:
             _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, self.entry_step,
-                           self.page_div, self.per_token, guard, flag)
+                           self.page_div, self.per_token, guard, flag)  # a mismatch raises, naming the argument
             self._seen.add(key)
-        elif not (expected_rows.numel() == n_entries.numel() == batch):
-            _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, self.entry_step,
-                           self.page_div, self.per_token, guard, flag)  # raises, naming the argument
         if batch == 0:
             return out_verdict
         if self.reference:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels.tag_check import WriteGuard, apply_guard, n_chunks_for
+from ..kernels.tag_check import BoundCheck, WriteGuard, apply_guard, n_chunks_for
 from ..tracker import Check
 from ..violations import KVGuardViolation
 from .follow import PoolFollower
@@ -59,8 +59,9 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
 
-        NOTE (the steady state, on the host): one direct kernel launch and one event record; the rows are
-        cached per batch composition, the staleness per row-pool change, the buffers are the ring's. The
+        NOTE (the steady state, on the host): one direct kernel launch (and an event only for a scheduler whose
+        results carry no copy_done); the rows are cached per batch composition, the staleness per row-pool
+        change, the buffers are the ring's. The
         launch writes "anything bad?" straight into a pinned host cell (:meth:`resolve` reads it with the
         sampled ids) and the per-request verdict into a device buffer read only when that cell says so.
 
@@ -69,8 +70,8 @@ class SGLangGuard(PoolFollower):
         beside the flag; no CPU collective per step.
         """
         rows_ = self.batch_rows(batch)
-        lens = batch.seq_lens_cpu.numpy()
         if rows_.all_known:  # the normal case: every row followed, the batch's own lengths
+            lens = batch.seq_lens_cpu.numpy()
             max_entries, n_entries = (int(lens.max()) if lens.size else 0), batch.seq_lens
             total = int(lens.sum())
         else:
@@ -83,8 +84,7 @@ class SGLangGuard(PoolFollower):
         if stale is None or len(stale) != len(batch.reqs):
             stale = self.stale(batch)
         ring = self._ring or self._make_ring()
-        slot = ring.turn = (ring.turn + 1) % VERDICT_RING
-        ring.stamp = stamp = ring.stamp % STAMP_LIMIT + 1
+        slot, stamp = ring.next()
         out = batch.out_cache_loc
         if rows_.all_known and device_group is None and out is not None and out.numel() == len(batch.reqs):
             # The decode step (the steady state): the launch bound to this batch's rows (built once per batch
@@ -132,8 +132,6 @@ class SGLangGuard(PoolFollower):
     def _bound(self, batch, rows_, ring, out):
         """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
         on the batch while its composition and the ring's buffers stay the same."""
-        from ..kernels.tag_check import BoundCheck
-
         cached = batch.__dict__.get("_kvguard_bound")
         if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
             return cached[2]
@@ -174,8 +172,12 @@ class SGLangGuard(PoolFollower):
             return WriteGuard(out, scratch=SCRATCH_SLOT)
         lens = getattr(batch, "extend_lens", None)
         if lens is None or sum(lens) != out.numel():
-            self.warn_once("write_guard", "kvguard: cannot map write slots to requests; writes unguarded")
-            return None
+            # Fail closed: a batch whose writes kvguard cannot guard is never run (no unguarded third state).
+            message = (f"kvguard: an extend batch writes {out.numel()} slots for {len(batch.reqs)} requests with "
+                       f"{'no' if lens is None else sum(lens)} new tokens; its writes cannot be mapped to its "
+                       f"requests, and kvguard does not run a batch it cannot guard")
+            log.critical(message)
+            raise RuntimeError(message)
         starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)
@@ -367,6 +369,12 @@ class VerdictRing:
         self.turn, self.stamp = 0, 0
         self.bindings = 0  # bound launches built (once per batch composition; a benchmark reads it)
 
+    def next(self) -> tuple[int, int]:
+        """The next check's (slot, stamp): slots round robin, stamps 1..STAMP_LIMIT."""
+        self.turn = (self.turn + 1) % VERDICT_RING
+        self.stamp = self.stamp % STAMP_LIMIT + 1
+        return self.turn, self.stamp
+
     def agreed_host(self, slot: int, need: int) -> torch.Tensor:
         """Attention TP: the host buffer (pinned) the agreed verdict of ``slot`` is copied into."""
         buf = self._agreed[slot]
@@ -420,12 +428,11 @@ class VerdictRing:
         dev = self.device
         rows = torch.full((1,), row, dtype=torch.int64, device=dev)
         n_entries = torch.full((1,), n, dtype=torch.int64, device=dev)
-        slot = self.turn = (self.turn + 1) % VERDICT_RING
-        self.stamp = self.stamp % STAMP_LIMIT + 1
+        slot, stamp = self.next()
         verdict = self.verdict(slot, 1, 1)
         with tracker.lock:
             self.launch(rows, rows, n_entries, max_entries=1, verdict=verdict, flag=self.flag_cells[slot],
-                        stamp=self.stamp)
+                        stamp=stamp)
         if self.device_flags is not None:
             self.host_cells[slot].copy_(self.device_flags[slot:slot + 1])
         if dev.type == "cuda":
@@ -433,4 +440,4 @@ class VerdictRing:
         if (int(verdict[0]) > 0) != (n > 0):
             raise RuntimeError(f"kvguard: the check's self-test failed on {dev}: an entry with nothing recorded "
                                f"was {'not ' if n else ''}flagged; refusing to serve")
-        return self.flagged(slot, self.stamp) == (n > 0)
+        return self.flagged(slot, stamp) == (n > 0)

@@ -422,7 +422,6 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
                 out_cache_loc = original(batch, token_per_req, *args, **kwargs)
             finally:
                 batch.req_pool_indices = rows
-        guard.defer_bump = False
         guard.record_decode(batch, out_cache_loc, stale)
     finally:
         guard.defer_bump = False
