@@ -398,3 +398,15 @@ def test_stale_row_abort_gives_back_its_pages_and_tree_lock(make_rig):
     tree_pages = rig.tree.evictable_size() // 16
     assert len(_free_pages(rig)) + tree_pages == rig.allocator.num_pages
     assert rig.tree.protected_size() == 0
+
+
+def test_an_extend_batch_whose_writes_cannot_be_mapped_is_never_run_unguarded(make_rig):
+    """Fail closed: write slots that do not match the requests' new tokens stop the step (no warn-and-serve)."""
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    batch = rig.prefill(20, 9)
+    guard = rig.guard
+    assert guard.write_guard(batch) is not None  # SGLang's own batch: mapped
+    batch.extend_lens = [batch.extend_lens[0] + 1] + batch.extend_lens[1:]  # one slot more than written
+    with pytest.raises(RuntimeError, match="cannot guard"):
+        guard.write_guard(batch)
