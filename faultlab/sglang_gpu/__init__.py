@@ -9,7 +9,8 @@ tiny Llama, torch_native attention and short lengths); on the GPU machine after
   harness re-executes itself once when it is missing), engine settings, result files.
 * :mod:`.workers`: one ``sglang.Engine`` per worker process, and the dist-info writer for entry points.
 * :mod:`.workload`: the streamed request workload and its statistics (``summarize``, ``compare``).
-* :mod:`.probes`: the ``kvguard_bench`` SGLang plugin: kvguard's host time per iteration, TP probes.
+* :mod:`.probes`: the ``kvguard_bench`` SGLang plugin (its entry point): the TP probes, and
+  :mod:`.profiler`, kvguard's host time per iteration.
 * :mod:`.overhead`, :mod:`.faults`, :mod:`.extras`: the GPU phases; :mod:`.report`: raw JSONs to
   ``bench/results/sglang_h200*.json`` and the plot.
 

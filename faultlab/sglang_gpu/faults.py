@@ -24,7 +24,7 @@ from faultlab.sglang_gpu.common import (
     setup_env,
 )
 from faultlab.sglang_gpu.probes import ABORT_LOG_ENV, FAULT_RANK_ENV
-from faultlab.sglang_live.plan import EPISODE_CLASSES, TWIN
+from faultlab.sglang_live.plan import TWIN
 
 
 

@@ -6,7 +6,7 @@ warm-up hit both modes alike. The check engine also runs the ``kvguard_bench`` p
 time per decode iteration).
 
 ``--switch``: one engine instance with kvguard installed; its "off" runs pass kvguard's SGLang hooks straight
-to SGLang's code (``faultlab.sglang_gpu.probes.SWITCH_ENV``, flipped between runs while the engine is idle),
+to SGLang's code (``faultlab.sglang_gpu.profiler.SWITCH_ENV``, flipped between runs while the engine is idle),
 so the comparison carries no instance-to-instance difference (two instances of one build differ by ~1.5-2%
 at c=1). kvguard's install, its memory and its allocator bookkeeping stay in both modes.
 """
@@ -30,7 +30,7 @@ from faultlab.sglang_gpu.common import (
     stop_all,
     vocab_of,
 )
-from faultlab.sglang_gpu.probes import SWITCH_ENV, SWITCH_PERIOD_S, TIMING_ENV
+from faultlab.sglang_gpu.profiler import SWITCH_ENV, SWITCH_PERIOD_S, TIMING_ENV
 from faultlab.sglang_gpu.workload import METRICS, compare, pct
 
 

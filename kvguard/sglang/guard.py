@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..kernels.tag_check import BoundCheck, WriteGuard, apply_guard, n_chunks_for
@@ -72,8 +73,8 @@ class SGLangGuard(PoolFollower):
         rows_ = self.batch_rows(batch)
         if rows_.all_known:  # the normal case: every row followed, the batch's own lengths
             lens = batch.seq_lens_cpu.numpy()
-            max_entries, n_entries = (int(lens.max()) if lens.size else 0), batch.seq_lens
-            total = int(lens.sum())
+            max_entries = int(np.maximum.reduce(lens)) if lens.size else 0
+            n_entries, total = batch.seq_lens, int(np.add.reduce(lens))
         else:
             n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
             max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
@@ -120,10 +121,7 @@ class SGLangGuard(PoolFollower):
         # NOTE: everything above is on the stream before the forward; resolve() reads it after SGLang's own
         # wait for the forward's sampled ids (copy_done, the overlap scheduler's). A scheduler whose results
         # carry none (no overlap) gets an event per check instead (VerdictRing.use_events, set by resolve).
-        ready = None
-        if ring.use_events:
-            ready = ring.events[slot]
-            ready.record()
+        ready = ring.record(slot) if ring.use_events else None
         pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, cells, rows_.owner_dev,
                           batch.req_pool_indices, ready)
         batch._kvguard = pending
@@ -364,6 +362,8 @@ class VerdictRing:
         self._verdicts = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
         self.generation = object()  # replaced whenever a buffer or flag cell is (bound launches hold pointers)
         self.events = [torch.cuda.Event() for _ in range(VERDICT_RING)] if cuda else None
+        self._streams: dict[int, torch.cuda.Stream] = {}  # raw handle -> stream object (see record)
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         self.use_events = False  # set by SGLangGuard.resolve when a result carries no copy_done to wait on
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
@@ -400,6 +400,22 @@ class VerdictRing:
 
     def buffers(self) -> list:
         return self._verdicts
+
+    def record(self, slot: int) -> torch.cuda.Event:
+        """Record slot's event on the current stream, now (after the check, before the forward).
+
+        NOTE: ``Event.record()`` looks the current stream up through ``torch.cuda.current_stream()``, tens of
+        microseconds of Python per call on the scheduler's thread; the raw handle is one C call, and the
+        stream object for it is made once."""
+        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            if len(self._streams) > 64:  # a scheduler that makes streams as it goes: keep the map small
+                self._streams.clear()
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        event = self.events[slot]
+        torch._C._CudaEventBase.record(event, stream)
+        return event
 
     def flagged(self, slot: int, stamp: int) -> bool:
         return int(self._host_np[slot]) == stamp

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.sglang_gpu import cli, common, faults, probes, report, workers, workload
+from faultlab.sglang_gpu import cli, common, faults, probes, profiler, report, workers, workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_judge_compares_a_fault_with_its_twin_control_and_counts_shared_rows():
 
 
 def test_profiler_charges_around_hooks_only_their_own_time(tmp_path):
-    prof = probes._Prof(str(tmp_path / "t.json"))
+    prof = profiler._Prof(str(tmp_path / "t.json"))
 
     def original(x):
         time.sleep(0.03)
@@ -263,8 +263,8 @@ def test_sglang_and_matplotlib_are_imported_inside_functions_only():
 
 def test_profiler_windows_split_runs_at_idle_gaps_and_rows_pick_their_concurrency(tmp_path, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(probes.time, "perf_counter", lambda: clock[0])
-    prof = probes._Prof(str(tmp_path / "t.json"))
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
+    prof = profiler._Prof(str(tmp_path / "t.json"))
     for size, us, steps in ((1, 20e-6, 5), (64, 90e-6, 12)):
         clock[0] += 10.0  # idle before each run
         for _ in range(steps):

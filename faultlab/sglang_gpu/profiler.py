@@ -1,0 +1,342 @@
+"""kvguard's host time per scheduler iteration: the profiler the ``kvguard_bench`` SGLang plugin installs.
+
+Active only with ``KVGUARD_BENCH_TIMING`` (see :func:`register_timing`); imported by
+:mod:`faultlab.sglang_gpu.probes`, the plugin's entry point, in every scheduler process. SGLang is imported
+inside the register function only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from faultlab.sglang_gpu.workload import pct
+
+TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
+# kvguard's methods that only wait, in SGLang's place, for what SGLang waits for next anyway (the forward's
+# sampled ids): reported on their own ("sglang_wait"), not as kvguard's host time.
+WAITS = {"SGLangGuard.wait_forward"}
+# Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time),
+# only with INNER_ENV=1: each timer adds ~1 us to the hook it is in, so a headline run goes without them.
+INNER_ENV = "KVGUARD_BENCH_INNER"
+INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale", "SGLangGuard._bound",
+         "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts",
+         "BoundCheck.__call__", "VerdictRing.next"}
+# A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
+# (the in-engine A/B of ``overhead --switch``: one engine instance, kvguard installed and its memory held in
+# both modes). Re-read at most every SWITCH_PERIOD_S; the harness flips it only while the engine is idle and
+# waits longer than that before the next run, so a run never spans two modes.
+SWITCH_ENV = "KVGUARD_BENCH_SWITCH"
+SWITCH_PERIOD_S = 0.5
+# Diagnosis only: a path; cProfile runs inside every CPROFILE_EVERY-th call of kvguard's prepare_for_decode
+# hook (an AFTER hook: none of SGLang's own code inside) and its stats (text) are written beside that path.
+# It slows the calls it profiles: the run's p50 host time still stands, its p99 does not.
+CPROFILE_ENV = "KVGUARD_BENCH_CPROFILE"
+CPROFILE_EVERY = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-time profiler for kvguard's hooks (active only with TIMING_ENV)
+# ------------------------------------------------------------------------------------------------
+class _Prof:
+    def __init__(self, path: str):
+        self.path = path
+        self.active = False  # inside a timed kvguard call (nested kvguard calls are not counted twice)
+        self.acc = 0.0  # kvguard host seconds since the last decode iteration mark
+        self.per_fn: dict[str, list] = {}  # name -> [calls, seconds]
+        self.iters: list[float] = []  # kvguard host seconds per decode iteration
+        self.steps: list[float] = []  # wall seconds between decode iterations (context)
+        self.last_mark = None
+        self.total_iters = 0
+        self.batch: list[int] = []  # decode batch size per iteration (of the current window)
+        self.windows: list[dict] = []  # one summary per busy stretch between idle gaps (one workload run)
+        self._window_start = 0  # index into iters where the current window began
+        self._fn_start: dict[str, list] = {}  # per_fn at the window's start
+        self.wait_total = 0.0  # seconds in WAITS so far (subtracted from the hook that made them)
+        self.wait_acc = 0.0  # seconds in WAITS since the last decode iteration mark
+        self.waits: list[float] = []  # per decode iteration, beside iters
+        self.switch_path = os.environ.get(SWITCH_ENV) or None
+        self.cprofile = None  # CPROFILE_ENV's profiler, if any
+        self._switch_on, self._switch_read = True, -1.0
+
+    def kvguard_on(self) -> bool:
+        """The in-engine switch (SWITCH_ENV): True unless its file says "off" (always True without it)."""
+        if self.switch_path is None:
+            return True
+        now = time.perf_counter()
+        if now - self._switch_read > SWITCH_PERIOD_S:
+            self._switch_read = now
+            try:
+                with open(self.switch_path) as f:
+                    self._switch_on = f.read().strip() != "off"
+            except OSError:
+                self._switch_on = True
+        return self._switch_on
+
+    def timed(self, name: str, fn, around: bool = False, hook: bool = False):
+        prof = self
+        if name in WAITS:
+            return self._timed_wait(name, fn)
+
+        inner = name in INNER
+        if inner and os.environ.get(INNER_ENV, "0") in ("", "0"):
+            return fn
+
+        def wrapper(*a, **k):
+            if prof.active:
+                if not inner:
+                    return fn(*a, **k)
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:  # a part of a hook's time, reported beside it (not added again)
+                    prof.count("inner:" + name, time.perf_counter() - t)
+            if hook and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
+                return a[0](*a[1:], **k) if around else None
+            sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
+
+            def call_original(*oa, **ok):
+                prof.active = False
+                t1 = time.perf_counter()
+                try:
+                    return a[0](*oa, **ok)
+                finally:
+                    sub[0] += time.perf_counter() - t1
+                    prof.active = True
+
+            prof.active = True
+            waited = prof.wait_total
+            t = time.perf_counter()
+            try:
+                if around:
+                    return fn(call_original, *a[1:], **k)
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t - sub[0] - (prof.wait_total - waited)
+                prof.active = False
+                prof.acc += dt
+                prof.count(name, dt)
+
+        return _named(wrapper, fn, name)
+
+    def count(self, name: str, seconds: float) -> None:
+        rec = self.per_fn.setdefault(name, [0, 0.0])
+        rec[0] += 1
+        rec[1] += seconds
+
+    def _timed_wait(self, name: str, fn):
+        """A wait kvguard makes in SGLang's place (WAITS): timed on its own, never counted as kvguard's work."""
+        prof = self
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                prof.wait_total += dt
+                prof.wait_acc += dt
+                prof.count(name, dt)
+
+        return _named(wrapper, fn, name)
+
+    def mark_iteration(self, batch_size: int = 0) -> None:
+        """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
+        now = time.perf_counter()
+        idle = self.last_mark is None or now - self.last_mark > 0.5
+        if not idle:
+            self.iters.append(self.acc)
+            self.waits.append(self.wait_acc)
+            self.steps.append(now - self.last_mark)
+            self.batch.append(batch_size)
+        else:
+            # The engine was idle (between workloads): close the window, write the file now, where no
+            # request waits on it.
+            self._close_window()
+            self.dump()
+        self.acc, self.wait_acc, self.last_mark = 0.0, 0.0, now
+        self.total_iters += 1
+
+    def _close_window(self) -> None:
+        it = self.iters[self._window_start:]
+        if it:
+            fn = {k: [c - self._fn_start.get(k, [0, 0.0])[0], t - self._fn_start.get(k, [0, 0.0])[1]]
+                  for k, (c, t) in self.per_fn.items()}
+            self.windows.append({
+                "iterations": len(it), "batch_p50": pct(self.batch, 50), "batch_max": max(self.batch),
+                "kvguard_us_per_iter_p50": 1e6 * pct(it, 50), "kvguard_us_per_iter_p99": 1e6 * pct(it, 99),
+                "sglang_wait_us_per_iter_p50": 1e6 * pct(self.waits[self._window_start:], 50),
+                "step_ms_p50": 1e3 * pct(self.steps[self._window_start:], 50),
+                "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * t / c}
+                                             for k, (c, t) in sorted(fn.items()) if c}})
+        self._window_start = len(self.iters)
+        self.batch = []
+        self._fn_start = {k: list(v) for k, v in self.per_fn.items()}
+
+    def final(self) -> None:
+        """At exit: the last run's window too."""
+        self._close_window()
+        self.dump()
+
+    def dump(self) -> None:
+        if not self.per_fn or not self.total_iters:
+            return  # a process that never decoded (the engine's own process, the detokenizer): leave the file alone
+        it = self.iters
+        data = {"iterations": len(it),
+                "kvguard_us_per_iter_mean": 1e6 * sum(it) / len(it) if it else None,
+                "kvguard_us_per_iter_p50": 1e6 * pct(it, 50) if it else None,
+                "kvguard_us_per_iter_p99": 1e6 * pct(it, 99) if it else None,
+                "step_ms_p50": 1e3 * pct(self.steps, 50) if self.steps else None,
+                "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * s / c, "total_s": s}
+                                             for k, (c, s) in sorted(self.per_fn.items())},
+                "windows": self.windows, "pid": os.getpid(), "guards": _guard_stats()}
+        if self.cprofile is not None:
+            self.cprofile.write()
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+_PROF: _Prof | None = None
+
+
+def _named(wrapper, fn, name: str):
+    """``wrapper`` as ``fn`` to whoever inspects it (kvguard's self-check follows ``__wrapped__``)."""
+    wrapper.__wrapped__ = fn
+    wrapper.__name__ = getattr(fn, "__name__", name)
+    wrapper.__module__ = getattr(fn, "__module__", None)
+    return wrapper
+
+
+def _cprofiler():
+    """The cProfile of CPROFILE_ENV (None without it); its stats are written at exit."""
+    path = os.environ.get(CPROFILE_ENV)
+    if not path:
+        return None
+    import atexit
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+
+    def write():
+        if not profiler.getstats():
+            return
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(60)
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(60)
+        with open(f"{path}.{os.getpid()}.txt", "w") as f:
+            f.write(out.getvalue())
+
+    atexit.register(write)
+    profiler.write = write  # also at each idle gap (the profiler's dump): a killed scheduler keeps its stats
+    return profiler
+
+
+def _profiled(profiler, hook):
+    calls = [0]
+
+    def wrapper(*a, **k):
+        calls[0] += 1
+        if calls[0] % CPROFILE_EVERY:
+            return hook(*a, **k)
+        profiler.enable()
+        try:
+            return hook(*a, **k)
+        finally:
+            profiler.disable()
+
+    return _named(wrapper, hook, getattr(hook, "__name__", "hook"))
+
+
+def _guard_stats() -> list:
+    """What each guard of this process built: batch compositions seen, bound launches, direct launches."""
+    try:
+        from kvguard.sglang.plugin import guards
+    except ImportError:
+        return []
+    out = []
+    for g in guards():
+        ring = g._ring
+        out.append({"rows_built": g.rows_built, "bindings": ring.bindings if ring else 0,
+                    "direct_launches": ring.launch.kernel.direct_launches if ring else 0,
+                    "checks": g.tracker.checks_launched})
+    return out
+
+
+def register_timing() -> None:
+    """SGLang plugin (``kvguard_bench``): time kvguard's hooks and its guard's methods in this process.
+
+    Does nothing unless ``KVGUARD_BENCH_TIMING`` names an output file. Wraps (1) every hook a module of
+    ``kvguard`` registers with SGLang's HookRegistry, whichever plugin loads first, and (2) the methods of
+    kvguard's guard and tracker classes (reached from the allocator / tree / row-pool wrappers that run
+    inside SGLang's own calls). AROUND hooks are charged only their own time, not the original's. Each
+    decode iteration is marked at the ``prepare_for_decode`` hook. The timers add ~1 us per iteration.
+    """
+    global _PROF
+    path = os.environ.get(TIMING_ENV)
+    if not path or _PROF is not None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    prof = _PROF = _Prof(path)
+    import atexit
+
+    atexit.register(prof.final)
+
+    profiler = prof.cprofile = _cprofiler()
+
+    def wrap_hook(target: str, hook, hook_type):
+        name = "hook:" + target.rsplit(".", 1)[-1]
+        if profiler is not None and target.endswith(".prepare_for_decode"):
+            hook = _profiled(profiler, hook)
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True)
+        if target.endswith(".prepare_for_decode"):
+            def marked(*a, **k):
+                if prof.kvguard_on():  # an "off" run of the in-engine switch is not kvguard's iteration
+                    prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
+                return timed(*a, **k)
+            marked.__module__ = timed.__module__
+            marked.__wrapped__ = timed  # kvguard's self-check follows the chain to its hook
+            return marked
+        return timed
+
+    def is_kvguard(hook) -> bool:
+        return str(getattr(hook, "__module__", "") or "").startswith("kvguard")
+
+    for target, hooks in HookRegistry._hooks.items():
+        for i, (ht, h, src) in enumerate(hooks):
+            if is_kvguard(h):
+                hooks[i] = (ht, wrap_hook(target, h, ht), src)
+    original_register = HookRegistry.register.__func__
+
+    def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
+        if is_kvguard(hook):
+            hook = wrap_hook(target, hook, hook_type)
+        return original_register(cls, target, hook, hook_type, source=source)
+
+    HookRegistry.register = classmethod(register)
+
+    import importlib
+
+    classes = {}
+    for module, name in (("kvguard.sglang.guard", "SGLangGuard"), ("kvguard.sglang.plugin", "SGLangGuard"),
+                         ("kvguard.sglang.follow", "PoolFollower"), ("kvguard.tracker", "TagTracker"),
+                         ("kvguard.sglang.guard", "VerdictRing")):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if cls is not None:
+            classes[id(cls)] = cls
+    for cls in classes.values():
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod, type)):
+                setattr(cls, attr, prof.timed(f"{cls.__name__}.{attr}", value))
+    from kvguard.kernels.tag_check import BoundCheck
+
+    BoundCheck.__call__ = prof.timed("BoundCheck.__call__", BoundCheck.__call__)  # the decode launch itself
+    print(f"kvguard_bench: timing kvguard's hooks into {path}", file=sys.stderr)
