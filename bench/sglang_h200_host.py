@@ -3,8 +3,9 @@
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
-``--switch``, after the per-step launch work: bench/results/sglang_h200_raw/dec02e (overlap off, 8192/1000)
-and dec02d/on (overlap on, 1024/1000); then the December 1 runs before it, dec01d and dec01e) and writes one
+``--switch``: dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
+dec02e (overlap off, 8192/1000) and dec02d/on (overlap on, 1024/1000) after the per-step launch work; then the
+December 1 runs before it, dec01d and dec01e) and writes one
 row per (run, overlap, concurrency) in the issue's format, each raw file's command kept beside its rows, and
 the per-piece host costs of ``bench/host_path_h200.py`` (dec02d/host_path.json) under ``pieces``.
 A row whose concurrency the run's time budget skipped has no ratios (null).
@@ -15,11 +16,18 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02e", "overhead_switch_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02g", "off", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02g", "on", "overhead_switch_overlap.json"),
+           os.path.join(RAW, "dec02g", "b256", "overhead_switch_nooverlap_c256.json"),
+           os.path.join(RAW, "dec02e", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02d", "on", "overhead_switch_overlap_1024.json"),
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02d", "host_path.json")
-NOTES = {"dec02d": "host_us counts SGLang's own wait for the forward (copy_done), which kvguard's verdict read "
+NOTES = {"dec02g/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.4 s, 46 tok/s), "
+                       "which the c=1 throughput ratio and its A/A carry; the ITL ratios do not",
+         "dec02g/b256": "one pair; the off run compiled SGLang's own attention kernel mid-run (SGLang warned): "
+                        "its ratios are not a figure, its host time is",
+         "dec02d": "host_us counts SGLang's own wait for the forward (copy_done), which kvguard's verdict read "
                    "made first; runs from dec02e on report it apart (sglang_wait_us_p50)"}
 KEYS = ("overlap", "concurrency", "page_size", "input_len", "output_len", "throughput_ratio", "itl_p50_ratio",
         "itl_p99_ratio", "aa_throughput_ratio", "aa_itl_p50_ratio", "host_us_p50", "host_us_p99", "tp")
