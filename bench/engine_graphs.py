@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.engine import Engine, EngineConfig
 from faultlab.engine.config import get_preset
 from faultlab.engine.kvcache import token_bytes
 from faultlab.engine.requests import Request
-from faultlab.gpubench_timing import pct
+from faultlab.gpu.timing import pct
 
 
 def make_engine(args, batch: int, graphs: bool) -> Engine:

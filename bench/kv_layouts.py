@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from faultlab import evalkv
+from faultlab.engine import evalkv
 from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, hadamard
 
 

@@ -4,7 +4,7 @@ rotation (`rotate_k`) and the KV residual for each request's first 16 and last 1
     python bench/layout_cost.py --variants rotated --out bench/results/rotation_cost.json
     python bench/layout_cost.py --variants residual --out bench/results/residual_cost.json
 
-Same method as faultlab/gpubench.py: one DecodeState per variant (FP8 KV, plain twice for an A/A, no
+Same method as faultlab/gpu/bench.py: one DecodeState per variant (FP8 KV, plain twice for an A/A, no
 tracker), each step captured as a CUDA graph, graphs replayed interleaved in rotating order, CUDA-event
 times; medians and p99 per variant, and each layout's cost in % of the plain step.
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.config import get_preset
 from faultlab.engine.model import LlamaModel
 from faultlab.engine.weights import random_weights
-from faultlab.gpubench_step import DecodeState
-from faultlab.gpubench_timing import capture, interleaved, pct
+from faultlab.gpu.step import DecodeState
+from faultlab.gpu.timing import capture, interleaved, pct
 
 
 def main() -> None:

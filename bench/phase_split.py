@@ -3,7 +3,7 @@
     python bench/phase_split.py [--max-tokens 16] [--out bench/results/phase_split_smollm2.json]
     python bench/phase_split.py --guard-only
 
-1. Greedy text of the demo prompts (faultlab/demo.py PROMPTS), engine as the demo's (INT4 weights,
+1. Greedy text of the demo prompts (faultlab/chaos/demo.py PROMPTS), engine as the demo's (INT4 weights,
    page size 16, prefix cache, batch-invariant): single pool (FP8 KV) vs phase split (BF16 prefill pool
    -> FP8 decode pool, lag 1). Reports whether each text is identical, and the teacher-forced top-1
    agreement: the phase-split engine is fed the single-pool tokens and its argmax is compared at every
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from faultlab.chaos import checking_tracker
-from faultlab.demo import ENGINE, PROMPTS
+from faultlab.chaos.runner import checking_tracker
+from faultlab.chaos.demo import ENGINE, PROMPTS
 from faultlab.engine.factory import make_engine
 from faultlab.engine.requests import Request
 

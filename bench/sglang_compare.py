@@ -1,7 +1,7 @@
 """kvguard vs SGLang 0.5.23's own checks, on SGLang's real bookkeeping classes, on the CPU.
 
 Same injected faults for every detector (double free, premature free, swapped entries, out-of-range entry,
-stale row, leak), each on a fresh rig (faultlab.sglang_rig.Rig: real ReqToTokenPool,
+stale row, leak), each on a fresh rig (faultlab.sglang_live.rig.Rig: real ReqToTokenPool,
 PagedTokenToKVPoolAllocator over an FP8 MHATokenToKVPool, RadixCache, Req/ScheduleBatch driven by
 SGLang's prepare_for_extend / prepare_for_decode). Detectors, each evaluated where it runs in a server:
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from faultlab.sglang_rig import Rig, apply_check_hooks
+from faultlab.sglang_live.rig import Rig, apply_check_hooks
 
 PS = 16
 FAULTS = ["double_free", "premature_free", "swapped_entries", "out_of_range", "stale_row", "leak"]

@@ -6,7 +6,7 @@
     python bench/tp_bench.py --nproc 2 --dist-backend gloo --out /tmp/tpg   # 2 ranks on 1 GPU: gloo, eager
     python bench/tp_bench.py --dry-run --out /tmp/tp_bench         # CPU: gloo, tiny shapes, eager, checks the plumbing
 
-Method (as faultlab/gpubench.py): each rank builds the same B requests at context ``ctx`` on scattered
+Method (as faultlab/gpu/bench.py): each rank builds the same B requests at context ``ctx`` on scattered
 pages (its own KV shard: n_kv_heads / world heads), decode steps are captured as CUDA graphs, one per
 variant, and replayed interleaved in rotating order (every rank replays the same order, so the NCCL
 collectives inside the graphs pair up); medians and p99 per variant over all replays, CUDA events.
@@ -37,14 +37,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 import torch.distributed as dist
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.config import get_preset
 from faultlab.engine.context import StepContext
 from faultlab.engine.tp import TPLlamaModel
 from faultlab.engine.weights import random_weights
-from faultlab.gpubench_step import DecodeState
-from faultlab.gpubench_timing import capture, interleaved, pct
-from faultlab.tp_run import DIST_BACKENDS
+from faultlab.gpu.step import DecodeState
+from faultlab.gpu.timing import capture, interleaved, pct
+from faultlab.chaos.tp_run import DIST_BACKENDS
 from kvguard import TrackerConfig
 from kvguard.distributed import RankTracker, combine_verdict, make_rank_tracker
 
@@ -307,7 +307,7 @@ def main(argv=None) -> None:
         return
     import torch.multiprocessing as mp
 
-    from faultlab.tp_run import free_port
+    from faultlab.chaos.tp_run import free_port
 
     mp.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc, join=True)
 

@@ -1,7 +1,7 @@
 """Test-wide settings and shared fixtures: Triton runs under its interpreter on CPU; torch uses one thread.
 
 The SGLang fixtures (``sglang_loader``, ``check_hooks``, ``make_rig``, ``rig_ps``) drive SGLang 0.5.23's
-real classes through ``faultlab.sglang_rig.Rig``; SGLang is imported only when a test asks for them.
+real classes through ``faultlab.sglang_live.rig.Rig``; SGLang is imported only when a test asks for them.
 
 NOTE: the CI machine has 2 cores and pytest runs tiny models; torch's default thread pool spends more
 time synchronizing than computing on such shapes (measured ~10x slower under load).
@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 # faultlab's pytest plugin is opt-in (no pytest11 entry point: installing kvguard on a server must not
 # register it in every pytest run there); this is how a project that uses it turns it on.
-pytest_plugins = ["faultlab.pytest_plugin"]
+pytest_plugins = ["faultlab.testing.pytest_plugin"]
 
 _LOADER_RESULT = None
 
@@ -84,7 +84,7 @@ def check_hooks(sglang_loader):
 def make_rig(check_hooks):
     from prometheus_client import CollectorRegistry
 
-    from faultlab.sglang_rig import Rig
+    from faultlab.sglang_live.rig import Rig
 
     def _make(page_size: int, **kwargs):
         rig = Rig(page_size, **kwargs)

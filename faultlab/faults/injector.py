@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from ..engine.choices import check_choice
-from ..limits import LIMITS, check_number
+from ..chaos.limits import LIMITS, check_number
 from .catalog import Context, get_fault
 
 TRIGGERS = ("step", "event", "prob")

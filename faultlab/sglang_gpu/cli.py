@@ -122,7 +122,7 @@ def check_outputs(a) -> None:
     """Every output option before any work (UsageError: exit 2): ``--out`` (a folder, made if missing) and
     ``--name`` (a file name in it); report's ``--results`` and fault-engine's ``--result`` (their folders
     must exist: nothing creates them)."""
-    from faultlab.validate import UsageError, check_output_dir, check_output_file
+    from faultlab.chaos.validate import UsageError, check_output_dir, check_output_file
 
     if a.cmd == "report":
         check_output_dir("--results", a.results, make_folder=False)
@@ -138,7 +138,7 @@ def check_outputs(a) -> None:
 
 
 def main(argv=None) -> int:
-    from faultlab.validate import UsageError
+    from faultlab.chaos.validate import UsageError
 
     a = build_parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)  # for the re-execution and the results' command

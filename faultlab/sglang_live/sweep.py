@@ -22,7 +22,7 @@ import time
 
 from kvguard.settings import MODES
 
-from ..validate import UsageError, check_output_file
+from ..chaos.validate import UsageError, check_output_file
 from .plan import EPISODE_CLASSES
 
 CONFIGS = [  # (name, page size, overlap, radix)

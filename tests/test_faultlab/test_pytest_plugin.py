@@ -19,7 +19,7 @@ pytest_plugins = ["pytester"]
 @pytest.fixture(autouse=True)
 def _uses_faultlab(pytester):
     """Each inner project turns the plugin on the documented way (it is opt-in: no pytest11 entry point)."""
-    pytester.makeconftest('pytest_plugins = ["faultlab.pytest_plugin"]\n')
+    pytester.makeconftest('pytest_plugins = ["faultlab.testing.pytest_plugin"]\n')
 
 SEED_TEST = """
 def test_seed(faultlab_seed):
@@ -53,14 +53,14 @@ def engine_modules():
     module the inner runs import lazily (engine, kernels, triton) is already loaded (see the NOTE
     above) and the tiny model is in the engine's model cache."""
     from faultlab.engine.requests import Request
-    from faultlab.pytest_plugin import build_engine
+    from faultlab.testing.pytest_plugin import build_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add sync overhead (10x on a busy machine)
     engine = build_engine(weight_dtype="fp32", kv_dtype="fp8", num_pages=8)
     engine.add_request(Request("warmup", [3, 4, 5], 2))
     engine.run(max_steps=10)
-    import faultlab.chaos  # noqa: F401
+    import faultlab.chaos.runner  # noqa: F401
 
     yield
     torch.set_num_threads(threads)
@@ -146,7 +146,7 @@ def test_tracker_and_injector_fixtures(pytester):
             assert isinstance(kv_tracker, TagTracker) and kv_tracker.config.mode == "check"
 
         def test_trackers_do_not_share_counters(kv_tracker):
-            from faultlab.chaos import checking_tracker
+            from faultlab.chaos.runner import checking_tracker
             assert checking_tracker().metrics is not kv_tracker.metrics
 
         def test_injector(kv_injector, faultlab_seed):
@@ -237,7 +237,7 @@ def test_unknown_fault_fails_with_valid_names(pytester):
 def test_chaos_runner(pytester, engine_modules):
     pytester.makepyfile(f"""
 import pytest
-from faultlab.chaos import CaseResult
+from faultlab.chaos.runner import CaseResult
 
 SCENARIO = {SCENARIO!r}
 
@@ -406,7 +406,7 @@ def test_readme_allocator_example_and_misuse(pytester):
     assert buggy != example
     pytester.makepyfile(test_ok=example, test_buggy=buggy, test_misuse="""
 import pytest
-from faultlab.strategies import AllocatorModel, allocator_machine
+from faultlab.testing.strategies import AllocatorModel, allocator_machine
 
 class NoFree:
     def alloc(self, n): return []

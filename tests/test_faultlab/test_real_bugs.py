@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from faultlab.chaos import checking_tracker, run_case
+from faultlab.chaos.runner import checking_tracker, run_case
 from faultlab.engine.factory import make_engine
 from faultlab.engine.requests import Request
 from faultlab.faults.catalog import FAULTS
 from faultlab.oracle import Oracle
-from faultlab.scenario import ScenarioError, available_faults, load, parse
+from faultlab.chaos.scenario import ScenarioError, available_faults, load, parse
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
@@ -142,7 +142,7 @@ def test_hit_guard_catches_a_prefix_freed_under_the_tree(scenario):
 
 
 def test_all_in_a_real_bugs_scenario_selects_the_replays():
-    from faultlab.scenario import fault_classes
+    from faultlab.chaos.scenario import fault_classes
 
     scenario = load(Path(__file__).resolve().parents[2] / "scenarios" / "real_bugs.toml")
     everything = parse({"name": "x", "engine": {**{k: getattr(scenario.engine, k) for k in

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.scenario import ScenarioError, load
+from faultlab.chaos.scenario import ScenarioError, load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,6 +36,6 @@ def test_an_override_is_validated_like_any_key(tmp_path):
     (tmp_path / "e.toml").write_text(f'base = "{REPO / "scenarios/smoke.toml"}"\nname = "e"\n[engine]\npage_size = 7\n')
     with pytest.raises(ScenarioError, match="page_size"):
         load(tmp_path / "e.toml")
-    out = subprocess.run([sys.executable, "-m", "faultlab.cli", "run", str(tmp_path / "e.toml")], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "faultlab.chaos.cli", "run", str(tmp_path / "e.toml")], capture_output=True,
                          text=True, check=False)
     assert out.returncode == 2 and "page_size" in out.stderr

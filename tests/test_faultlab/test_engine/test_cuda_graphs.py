@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.context import StepContext
 from faultlab.engine.cuda_graphs import GraphedDecode, bucket
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.requests import Request
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from kvguard import NoopTracker
 from workloads import clean_outputs, random_requests
 

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from faultlab.chaos import checking_tracker, run_case
+from faultlab.chaos.runner import checking_tracker, run_case
 from faultlab.engine.engine import Engine, EngineConfig
 from faultlab.engine.requests import Request
 from faultlab.faults.catalog import FAULTS
 from faultlab.oracle import Oracle
-from faultlab.scenario import parse
+from faultlab.chaos.scenario import parse
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.context import StepContext
 from faultlab.engine.cuda_graphs import GraphedDecode
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
@@ -256,7 +256,7 @@ def test_graph_padding_rows_write_only_the_scratch_row():
 
 def test_eval_kv_residual_beats_plain_fp8():
     """SmolLM2, 150 positions: the KV residual cuts the mean KL against BF16 KV by more than 3x."""
-    from faultlab.evalkv import eval_kv
+    from faultlab.engine.evalkv import eval_kv
 
     plain = eval_kv(n_positions=150, window=192)
     res = eval_kv(n_positions=150, window=192, residual=True)

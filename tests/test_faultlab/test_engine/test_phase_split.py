@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from faultlab import chaos
-from faultlab.chaos import checking_tracker, run_case
-from faultlab.cli import _load_classes
+from faultlab.chaos import runner as chaos
+from faultlab.chaos.runner import checking_tracker, run_case
+from faultlab.chaos.cli import _load_classes
 from faultlab.engine.engine import ConfigError, Engine, EngineConfig
 from faultlab.engine.factory import make_engine
 from faultlab.engine.phase_split import PhaseSplitEngine
 from faultlab.oracle import Oracle
-from faultlab.scenario import ScenarioError, fault_classes, load, parse
+from faultlab.chaos.scenario import ScenarioError, fault_classes, load, parse
 from kvguard.transfer import guard_slots
 from workloads import random_requests
 

@@ -7,9 +7,9 @@ import torch
 from faultlab.engine.tp import shard_cols, shard_rows
 from faultlab.engine.weights import Int4Weight
 from faultlab.faults.catalog import FAULTS
-from faultlab.scenario import available_faults
+from faultlab.chaos.scenario import available_faults
 from faultlab.engine.engine import EngineConfig
-from faultlab.tp_run import RunSpec, judge, launch, main, resolve_backend
+from faultlab.chaos.tp_run import RunSpec, judge, launch, main, resolve_backend
 from kvguard.distributed import combine_verdict
 from faultlab.engine.kernels.int4_gemm import quantize_int4
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from faultlab.tp_run import RunSpec, judge, launch
+from faultlab.chaos.tp_run import RunSpec, judge, launch
 from kvguard import TrackerConfig
 from kvguard.distributed import RankTracker, VerdictRide
 

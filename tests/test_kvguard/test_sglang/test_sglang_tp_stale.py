@@ -25,7 +25,7 @@ def _rank_rig(rank: int, port: int):
     import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
     import sglang.srt.plugins as plugins
 
-    from faultlab.sglang_rig import Rig
+    from faultlab.sglang_live.rig import Rig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     plugins._plugins_loaded = False

@@ -2,8 +2,8 @@
 
 ``@pytest.mark.kvfault(name, seed=None, trigger="step", step=3, count=1, event="alloc", p=0.1,
 require_strike=True)``: engines built by ``kv_engine`` and runs of ``chaos_runner`` in that test run with
-the fault injected (faultlab/pytest_plugin.py holds the hooks and fixtures that read it). Numbers follow
-the bounds of ``faultlab.limits`` (the scenario's and the CLI's), checked by the same ``check_number``.
+the fault injected (faultlab/testing/pytest_plugin.py holds the hooks and fixtures that read it). Numbers follow
+the bounds of ``faultlab.chaos.limits`` (the scenario's and the CLI's), checked by the same ``check_number``.
 
 Light, like the plugin: faultlab's fault modules are imported only when a marker is read.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from faultlab.limits import COUNT_MAX, SEED_MAX, check_number
+from faultlab.chaos.limits import COUNT_MAX, SEED_MAX, check_number
 
 MARKER_KWARGS = ("name", "seed", "trigger", "step", "count", "event", "p", "require_strike")
 MARKER_DOC = ("kvfault(name, seed=None, trigger='step', step=3, count=1, event='alloc', p=0.1, "
@@ -100,7 +100,7 @@ def marker_fault(item: pytest.Item, default_seed: int) -> KVFault | None:
 def require_hostable(fault: str, engine_config) -> None:
     """Fail the test when ``engine_config`` cannot host ``fault`` (it would never strike)."""
     from faultlab.faults.catalog import FAULTS
-    from faultlab.scenario import fault_available
+    from faultlab.chaos.scenario import fault_available
 
     if not fault_available(FAULTS[fault], engine_config):
         pytest.fail(f"kvfault {fault!r} cannot strike in this engine: it needs {FAULTS[fault].requires!r} "

@@ -1,4 +1,4 @@
-"""What one rank of a tensor-parallel chaos run does (``python -m faultlab.tp_run`` spawns and judges them).
+"""What one rank of a tensor-parallel chaos run does (``python -m faultlab.chaos.tp_run`` spawns and judges them).
 
 ``RunSpec`` is what every rank runs (picklable: sent to the spawned workers). A rank checks its TP logits
 against the single process's (and the verdict piggyback probe), then per seed runs the workload fault-free
@@ -19,13 +19,13 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from faultlab.chaos import drive  # noqa: E402
+from faultlab.chaos.runner import drive  # noqa: E402
 from faultlab.engine.context import StepContext  # noqa: E402
 from faultlab.engine.factory import make_engine  # noqa: E402
 from faultlab.engine.kvcache import PagedKVCache  # noqa: E402
 from faultlab.engine.model import load_model  # noqa: E402
 from faultlab.engine.options import EngineConfig  # noqa: E402
-from faultlab.scenario import Scenario, WorkloadSpec  # noqa: E402
+from faultlab.chaos.scenario import Scenario, WorkloadSpec  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _probe(model, rides=(None, None)) -> torch.Tensor:
 
 def make_arrivals(spec: RunSpec, seed: int):
     """The seed's workload (the chaos runner's generator)."""
-    from faultlab.chaos import make_workload
+    from faultlab.chaos.runner import make_workload
     from faultlab.engine.config import get_preset
 
     scenario = Scenario(name="tp", workload=spec.workload, engine=spec.engine)

@@ -9,12 +9,12 @@ from dataclasses import asdict, dataclass, field
 from kvguard import TrackerConfig, make_tracker
 from prometheus_client import CollectorRegistry
 
-from .engine.engine import Engine
-from .engine.factory import make_engine
-from .engine.requests import Request
-from .faults.injector import Injector
-from .oracle import Oracle
-from .scenario import Scenario
+from faultlab.engine.engine import Engine
+from faultlab.engine.factory import make_engine
+from faultlab.engine.requests import Request
+from faultlab.faults.injector import Injector
+from faultlab.oracle import Oracle
+from faultlab.chaos.scenario import Scenario
 
 
 @dataclass

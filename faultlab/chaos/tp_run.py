@@ -1,10 +1,10 @@
 """Tensor-parallel chaos driver: N ranks (gloo on CPU; gloo or NCCL on CUDA), a rank-local fault, every rank must abort the same requests.
 
-    python -m faultlab.tp_run --nproc 2 --fault rank_divergent_entry --seeds 20
-    python -m faultlab.tp_run --nproc 2 --fault rank_divergent_entry --seeds 5 --no-combine   # the failure mode
-    python -m faultlab.tp_run --nproc 2 --seeds 20 --piggyback        # verdict rides on the last all-reduce
-    python -m faultlab.tp_run --nproc 2 --seeds 20 --device cuda      # NCCL on >= 2 GPUs, else gloo on one
-    torchrun --nproc-per-node 2 -m faultlab.tp_run --fault rank_divergent_entry --seeds 5     # torchrun env
+    python -m faultlab.chaos.tp_run --nproc 2 --fault rank_divergent_entry --seeds 20
+    python -m faultlab.chaos.tp_run --nproc 2 --fault rank_divergent_entry --seeds 5 --no-combine   # the failure mode
+    python -m faultlab.chaos.tp_run --nproc 2 --seeds 20 --piggyback        # verdict rides on the last all-reduce
+    python -m faultlab.chaos.tp_run --nproc 2 --seeds 20 --device cuda      # NCCL on >= 2 GPUs, else gloo on one
+    torchrun --nproc-per-node 2 -m faultlab.chaos.tp_run --fault rank_divergent_entry --seeds 5     # torchrun env
 
 ``--device cuda``: rank r runs on ``cuda:(r % device_count)`` with the Triton kernels and the engine's
 CUDA activation dtype (bf16). ``--dist-backend auto`` picks NCCL when there are at least ``nproc`` GPUs,
@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from faultlab.engine.choices import check_choice  # noqa: E402
 from faultlab.engine.factory import make_engine  # noqa: E402
 from faultlab.engine.options import KV_DTYPES, WEIGHT_DTYPES  # noqa: E402
-from faultlab.tp_rank import RunSpec, init_rank, make_arrivals, rank_engine, rank_main, worker  # noqa: E402
+from faultlab.chaos.tp_rank import RunSpec, init_rank, make_arrivals, rank_engine, rank_main, worker  # noqa: E402
 
 __all__ = ["RunSpec", "free_port", "judge", "launch", "main", "resolve_backend"]
 
@@ -106,7 +106,7 @@ def _join(proc, end: float) -> bool:
 
 def single_process(spec: RunSpec, seed: int) -> dict:
     """The fault-free outputs of the same workload on the single-process engine."""
-    from faultlab.chaos import drive
+    from faultlab.chaos.runner import drive
 
     engine = make_engine(rank_engine(spec, 0))
     arrivals = make_arrivals(spec, seed)
@@ -178,7 +178,7 @@ def print_report(report: dict) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m faultlab.tp_run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m faultlab.chaos.tp_run", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--fault", default="rank_divergent_entry", help="a fault name, or 'none'")
     p.add_argument("--seeds", type=int, default=5)
@@ -223,7 +223,7 @@ def run_info(spec: RunSpec, nproc: int, argv) -> dict:
     """What the report records about the run: command line, device, backend, GPUs, model."""
     cuda = spec.device == "cuda"
     engine = rank_engine(spec, 0)
-    return {"command": "python -m faultlab.tp_run " + " ".join(argv), "nproc": nproc, "device": spec.device,
+    return {"command": "python -m faultlab.chaos.tp_run " + " ".join(argv), "nproc": nproc, "device": spec.device,
             "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
             "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
             "dist_backend": spec.dist_backend, "model": spec.engine.model, "kv_dtype": spec.engine.kv_dtype,

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .limits import LIMITS, MAX_TOKENS, check_number
+from faultlab.chaos.limits import LIMITS, MAX_TOKENS, check_number
 
 if TYPE_CHECKING:
-    from .scenario import Scenario
+    from faultlab.chaos.scenario import Scenario
 
 DEVICES = ("cpu", "cuda", "cuda:N")
 MEMORY_SHARE = 2  # KV pages may take at most 1/MEMORY_SHARE of the device's memory
@@ -165,8 +165,8 @@ def check_device(where: str, device) -> str:
 
 def check_model(where: str, name: str):
     """The ModelConfig of preset ``name`` (its package installed, for smollm2)."""
-    from .engine.choices import check_choice
-    from .engine.config import PRESETS, get_preset
+    from faultlab.engine.choices import check_choice
+    from faultlab.engine.config import PRESETS, get_preset
 
     check_choice(where, name, sorted(PRESETS), UsageError)
     try:
@@ -187,7 +187,7 @@ def device_memory(device: str) -> int:
 def check_runnable(scenario: Scenario) -> None:
     """What a scenario needs from this machine: its device, its model, KV memory, and a context and a
     pool that every request of its workload fits. Raises UsageError."""
-    from .engine.kvcache import PagedKVCache, ResidualLayout, token_bytes
+    from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, token_bytes
 
     e, w = scenario.engine, scenario.workload
     check_device("[engine].device", e.device)

@@ -1,5 +1,5 @@
-"""faultlab's pytest plugin. Opt-in: ``pytest_plugins = ["faultlab.pytest_plugin"]`` in a conftest.py (or
-``pytest -p faultlab.pytest_plugin``); installing kvguard registers nothing in anyone's pytest runs.
+"""faultlab's pytest plugin. Opt-in: ``pytest_plugins = ["faultlab.testing.pytest_plugin"]`` in a conftest.py (or
+``pytest -p faultlab.testing.pytest_plugin``); installing kvguard registers nothing in anyone's pytest runs.
 
 What it adds to the runs of a project that turns it on:
 
@@ -13,7 +13,7 @@ What it adds to the runs of a project that turns it on:
   engines built by ``kv_engine`` and runs of ``chaos_runner`` in that test run with the fault injected,
   with the marker's seed (default: the session's). A test whose fault never struck fails (unless
   ``require_strike=False``); bad arguments fail the test before it runs (read and checked in
-  faultlab/plugin_marker.py).
+  faultlab/testing/marker.py).
 - a failed test that used faultlab gets a ``faultlab`` report section: fault, seed, strikes, victims and
   the command that reproduces it.
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.limits import SEED_MAX, check_number
-from faultlab.plugin_marker import (MARKER_DOC, KVFault, check_count, check_seed, make_trigger, marker_fault,
+from faultlab.chaos.limits import SEED_MAX, check_number
+from faultlab.testing.marker import (MARKER_DOC, KVFault, check_count, check_seed, make_trigger, marker_fault,
                                     require_hostable)
 
 SEED_OPTION = "--faultlab-seed"
@@ -167,7 +167,7 @@ def failure_note(item: pytest.Item) -> str:
     return "\n".join(lines)
 
 
-# -- the kvfault marker (faultlab/plugin_marker.py) ----------------------------------------------
+# -- the kvfault marker (faultlab/testing/marker.py) ----------------------------------------------
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Validate a kvfault marker before the test runs, whether or not it uses the fixtures."""
     if item.get_closest_marker("kvfault") is not None:
@@ -184,7 +184,7 @@ def faultlab_seed(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def kv_tracker():
     """A fresh TagTracker (mode=check) with its own CollectorRegistry (no cross-test counter bleed)."""
-    from faultlab.chaos import checking_tracker
+    from faultlab.chaos.runner import checking_tracker
 
     return checking_tracker()
 
@@ -208,7 +208,7 @@ def kvfault(request: pytest.FixtureRequest, faultlab_seed: int):
 
 def _tracker_for(tracker):
     """``True``: a checking tracker; ``False``/``None``: the no-op one; else the tracker instance given."""
-    from faultlab.chaos import checking_tracker
+    from faultlab.chaos.runner import checking_tracker
 
     if tracker is True or tracker is False or tracker is None:
         return checking_tracker(on=bool(tracker))
@@ -279,7 +279,7 @@ _FROM_MARKER = object()
 
 def load_scenario(scenario):
     """A Scenario from a Scenario, a TOML path, or a dict (parsed like a TOML file)."""
-    from faultlab import scenario as sc
+    from faultlab.chaos import scenario as sc
 
     if isinstance(scenario, sc.Scenario):
         return scenario
@@ -303,8 +303,8 @@ def chaos_runner(request: pytest.FixtureRequest, faultlab_seed: int, kvfault: KV
 
     def run(scenario, fault=_FROM_MARKER, seed: int | None = None, tracker: bool = True,
             baseline: bool = False, trigger=None, count: int | None = None, require_strike: bool | None = None):
-        from faultlab.chaos import run_case
-        from faultlab.scenario import check_classes
+        from faultlab.chaos.runner import run_case
+        from faultlab.chaos.scenario import check_classes
 
         scenario = load_scenario(scenario)
         if fault is _FROM_MARKER:

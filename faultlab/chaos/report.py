@@ -6,7 +6,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from .faults.catalog import FAULTS
+from faultlab.faults.catalog import FAULTS
 
 COLUMNS = ("fault", "detectable", "tracker", "injected", "victims", "victims_aborted", "false_positives",
            "corrupted_tokens_returned", "median_detection_latency_steps")
@@ -51,7 +51,7 @@ def failures(row: dict, expect=None) -> list[str]:
     and, with ``all_detectable_caught``, has victims, all of them aborted (an undetectable class
     corrupts by design: the catalog says why).
     """
-    from .scenario import Expectations
+    from faultlab.chaos.scenario import Expectations
 
     expect = expect or Expectations()
     why = []

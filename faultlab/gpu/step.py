@@ -6,13 +6,13 @@ import statistics
 
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.config import get_preset
 from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import PagedKVCache, ResidualLayout, token_bytes
 from faultlab.engine.model import LlamaModel
 from faultlab.engine.weights import Int4Weight, random_weights
-from faultlab.gpubench_timing import capture, interleaved, pct, timed
+from faultlab.gpu.timing import capture, interleaved, pct, timed
 
 
 class DecodeState:

@@ -11,7 +11,7 @@ medians and p99 over all pairs. A and A' are the same step without a tracker (th
 launches nothing, so "no-op" and "none" capture the same graph): their spread is the noise floor.
 B adds kvguard's validation kernel (with quarantine) inside the graph. The engine reads the verdict
 together with the sampled ids (one D2H copy it does anyway), so the graph holds all device work.
-The step is faultlab/gpubench_step.py, the timing (CUDA events, graphs) faultlab/gpubench_timing.py.
+The step is faultlab/gpu/step.py, the timing (CUDA events, graphs) faultlab/gpu/timing.py.
 """
 import argparse
 import json
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from faultlab.chaos import checking_tracker
+from faultlab.chaos.runner import checking_tracker
 from faultlab.engine.context import StepContext
 from faultlab.engine.kvcache import PagedKVCache, token_bytes
-from faultlab.gpubench_step import CheckOnly, DecodeState, bench_kernel_alone, bench_step, build, weight_bytes
-from faultlab.gpubench_timing import copy_bandwidth, timed
+from faultlab.gpu.step import CheckOnly, DecodeState, bench_kernel_alone, bench_step, build, weight_bytes
+from faultlab.gpu.timing import copy_bandwidth, timed
 
 
 # -- sections --------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def section_sanitizer(args, log):
     """compute-sanitizer memcheck over decode steps whose tables hold out-of-range and negative ids."""
     out = {}
     for mode in ("on", "off"):
-        cmd = ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-m", "faultlab.gpubench",
+        cmd = ["compute-sanitizer", "--tool", "memcheck", sys.executable, "-m", "faultlab.gpu.bench",
                "--sanitize-child", mode]
         t = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

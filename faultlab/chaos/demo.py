@@ -11,13 +11,13 @@ import textwrap
 import time
 from pathlib import Path
 
-from .chaos import CaseResult, SGLangStyleChecks, drive, judge, checking_tracker
-from .engine.engine import EngineConfig
-from .engine.factory import make_engine
-from .engine.requests import Request
-from .faults.injector import Injector, Trigger
-from .oracle import Oracle
-from .report import write_json
+from faultlab.chaos.runner import CaseResult, SGLangStyleChecks, drive, judge, checking_tracker
+from faultlab.engine.engine import EngineConfig
+from faultlab.engine.factory import make_engine
+from faultlab.engine.requests import Request
+from faultlab.faults.injector import Injector, Trigger
+from faultlab.oracle import Oracle
+from faultlab.chaos.report import write_json
 
 PROMPTS = (
     "The capital of France is",
@@ -35,9 +35,9 @@ MAX_TOKENS = 256  # per prompt: each request (<= 12 prompt tokens) fits the 96-p
 
 def check_args(args) -> None:
     """``--fault``, ``--max-tokens`` and ``--out`` before any work (UsageError / UnknownFault: exit 2)."""
-    from .faults.catalog import FAULTS, get_fault
-    from .scenario import fault_available
-    from .validate import UsageError, check_model, check_output_dir, check_output_file, check_tokens
+    from faultlab.faults.catalog import FAULTS, get_fault
+    from faultlab.chaos.scenario import fault_available
+    from faultlab.chaos.validate import UsageError, check_model, check_output_dir, check_output_file, check_tokens
 
     get_fault(args.fault)
     if not fault_available(FAULTS[args.fault], ENGINE):

@@ -4,18 +4,18 @@ A malformed file or an unknown name raises ``ScenarioError`` naming the field, t
 allowed; the CLI turns it into exit code 2 before anything is written. Defaults live in the dataclasses
 below (and in ``EngineConfig``), written once; so do the bounds of every number (``limits.LIMITS``), checked
 by the one ``check_number`` (limits.py) / ``check_choice`` (engine/choices.py) the CLI and the plugin use too.
-``parse``/``load`` check the file itself; ``check_runnable`` (faultlab/validate.py) checks what depends
+``parse``/``load`` check the file itself; ``check_runnable`` (faultlab/chaos/validate.py) checks what depends
 on this machine (the device, the model package, memory) and runs before a case does.
 """
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from .engine.choices import check_choice
-from .engine.options import ConfigError, EngineConfig
-from .faults.catalog import FAULTS, SUITES
-from .faults.injector import EVENTS, TRIGGERS, Trigger
-from .limits import LIMITS, SEED_MAX, check_number
+from faultlab.engine.choices import check_choice
+from faultlab.engine.options import ConfigError, EngineConfig
+from faultlab.faults.catalog import FAULTS, SUITES
+from faultlab.faults.injector import EVENTS, TRIGGERS, Trigger
+from faultlab.chaos.limits import LIMITS, SEED_MAX, check_number
 
 
 class ScenarioError(ValueError):
@@ -124,7 +124,7 @@ def _section(name: str, cls, table) -> object:
         raise ScenarioError(f"[{name}]: {err}") from None
 
 
-RUNNERS = {"tp": "python -m faultlab.tp_run"}  # fault requirements met outside scenarios, and where
+RUNNERS = {"tp": "python -m faultlab.chaos.tp_run"}  # fault requirements met outside scenarios, and where
 
 
 def check_classes(names, engine: EngineConfig, where: str = "[faults].classes",

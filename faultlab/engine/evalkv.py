@@ -151,7 +151,7 @@ def eval_kv(model_name: str = "smollm2", n_positions: int = 2000, *, window: int
 
 
 def main() -> None:
-    """`python -m faultlab.evalkv [n_positions]`: print the comparison as JSON."""
+    """`python -m faultlab.engine.evalkv [n_positions]`: print the comparison as JSON."""
     import json
     import sys
 

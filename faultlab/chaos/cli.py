@@ -9,13 +9,13 @@
     faultlab eval-kv --model smollm2 --json OUT
 
 Exit codes: 0 ok, 1 expectations failed (or nothing was tested), 2 bad input (nothing written).
-Every input is checked before any work (faultlab/validate.py, faultlab/scenario.py).
+Every input is checked before any work (faultlab/chaos/validate.py, faultlab/chaos/scenario.py).
 """
 import argparse
 import sys
 import time
 
-from .validate import UsageError
+from faultlab.chaos.validate import UsageError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -37,7 +37,7 @@ def _add_run_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .engine.options import KV_DTYPES, PAGE_SIZES, WEIGHT_DTYPES, EngineConfig
+    from faultlab.engine.options import KV_DTYPES, PAGE_SIZES, WEIGHT_DTYPES, EngineConfig
 
     parser = argparse.ArgumentParser(prog="faultlab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,21 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # its own argument parser (faultlab/gpubench.py)
+    if argv[:1] == ["bench"]:  # its own argument parser (faultlab/gpu/bench.py)
         try:
             _check_bench_out(argv[1:])
         except UsageError as err:
             print(f"faultlab: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        from .gpubench import main as bench_main
+        from faultlab.gpu.bench import main as bench_main
 
         bench_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
     args.command_line = "faultlab " + " ".join(argv)  # recorded in result files
-    from .engine.options import ConfigError
-    from .faults.catalog import UnknownFault
-    from .scenario import ScenarioError
+    from faultlab.engine.options import ConfigError
+    from faultlab.faults.catalog import UnknownFault
+    from faultlab.chaos.scenario import ScenarioError
 
     try:
         return COMMANDS[args.command](args)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
 def _check_bench_out(bench_argv) -> None:
     """``faultlab bench --out`` (a folder, made if missing) before gpubench loads torch and a model."""
-    from .validate import check_output_dir
+    from faultlab.chaos.validate import check_output_dir
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--out")  # NOTE: only when given; its default (gpubench.py) is the repository's bench/results
@@ -120,9 +120,9 @@ def _check_bench_out(bench_argv) -> None:
 
 # -- commands --------------------------------------------------------------------------------------
 def cmd_faults(args) -> int:
-    from .faults.catalog import catalog
-    from .report import write_json
-    from .validate import check_output_file
+    from faultlab.faults.catalog import catalog
+    from faultlab.chaos.report import write_json
+    from faultlab.chaos.validate import check_output_file
 
     check_output_file("--json", args.json_out)
     entries = catalog()
@@ -137,7 +137,7 @@ def cmd_faults(args) -> int:
 
 
 def _load_classes(args, scenario, all_classes: bool) -> list[str]:
-    from .scenario import available_faults, check_classes, fault_classes
+    from faultlab.chaos.scenario import available_faults, check_classes, fault_classes
 
     if args.faults is not None:
         names = [n.strip() for n in args.faults.split(",")]
@@ -157,7 +157,7 @@ def _case_job(job):
     """One (fault, seed) pair, every tracker setting; runs in a worker process."""
     import torch
 
-    from .chaos import run_case
+    from faultlab.chaos.runner import run_case
 
     # NOTE: chaos cases run small models; one torch thread per process avoids thread-pool stalls
     torch.set_num_threads(1)
@@ -195,7 +195,7 @@ def _run_cases(scenario, classes, seeds, trackers, label, jobs: int = 0, compare
 
 
 def _report(args, scenario, cases, started, paths) -> int:
-    from .report import aggregate, failures, plot, table, write_json
+    from faultlab.chaos.report import aggregate, failures, plot, table, write_json
 
     rows = aggregate(cases)
     print(table(rows, scenario.expect))
@@ -224,8 +224,8 @@ def _scenario_for(args):
     """The scenario with the CLI's --seeds/--first-seed applied, checked against this machine."""
     from dataclasses import replace
 
-    from .scenario import check_seed_range, load
-    from .validate import check_runnable, check_seeds
+    from faultlab.chaos.scenario import check_seed_range, load
+    from faultlab.chaos.validate import check_runnable, check_seeds
 
     check_seeds(args.seeds, getattr(args, "first_seed", None))
     scenario = load(args.scenario)
@@ -239,7 +239,7 @@ def _scenario_for(args):
 
 
 def cmd_run(args, all_classes: bool = False) -> int:
-    from .validate import check_jobs, check_report_paths
+    from faultlab.chaos.validate import check_jobs, check_report_paths
 
     check_jobs(args.jobs)
     paths = check_report_paths(args.json_out, args.plot)
@@ -260,8 +260,8 @@ def cmd_matrix(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    from .soak import run_soak
-    from .validate import check_output_file
+    from faultlab.chaos.soak import run_soak
+    from faultlab.chaos.validate import check_output_file
 
     check_output_file("--json", args.json_out)
     _scenario_for(args)  # the checks of `run`; run_soak reads the file again
@@ -269,7 +269,7 @@ def cmd_soak(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import check_args, run_demo
+    from faultlab.chaos.demo import check_args, run_demo
 
     check_args(args)
     return run_demo(args)
@@ -277,17 +277,17 @@ def cmd_demo(args) -> int:
 
 def _tokenizer_model(flag: str, name: str):
     """The ModelConfig of a model with a tokenizer (and a real text to read: evalkv.TEXT_MODELS)."""
-    from .evalkv import check_text_model
-    from .validate import check_model
+    from faultlab.engine.evalkv import check_text_model
+    from faultlab.chaos.validate import check_model
 
     return check_model(flag, check_text_model(flag, name, UsageError))
 
 
 def cmd_generate(args) -> int:
-    from .engine.factory import make_engine
-    from .engine.options import EngineConfig
-    from .engine.requests import Request
-    from .validate import check_tokens
+    from faultlab.engine.factory import make_engine
+    from faultlab.engine.options import EngineConfig
+    from faultlab.engine.requests import Request
+    from faultlab.chaos.validate import check_tokens
 
     if not args.prompt.strip():
         raise UsageError("prompt '' is not valid; give some text to complete")
@@ -320,8 +320,8 @@ def _check_eval_args(args) -> dict:
     """eval-kv's numbers, before the model loads; returns the residual sizes given."""
     import inspect
 
-    from .evalkv import _windows, eval_kv
-    from .validate import check_flag, check_output_file
+    from faultlab.engine.evalkv import _windows, eval_kv
+    from faultlab.chaos.validate import check_flag, check_output_file
 
     chunk = inspect.signature(eval_kv).parameters["chunk"].default  # eval-kv's teacher-forcing chunk
 
@@ -349,8 +349,8 @@ def _check_eval_args(args) -> dict:
 
 
 def cmd_eval_kv(args) -> int:
-    from .evalkv import eval_kv
-    from .report import write_json
+    from faultlab.engine.evalkv import eval_kv
+    from faultlab.chaos.report import write_json
 
     sizes = _check_eval_args(args)
     result = eval_kv(args.model, n_positions=args.positions, window=args.window, rotate_k=args.rotate_k,

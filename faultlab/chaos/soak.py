@@ -2,10 +2,10 @@
 import sys
 import time
 
-from .chaos import drive, checking_tracker, make_workload
-from .engine.factory import make_engine
-from .report import write_json
-from .scenario import load
+from faultlab.chaos.runner import drive, checking_tracker, make_workload
+from faultlab.engine.factory import make_engine
+from faultlab.chaos.report import write_json
+from faultlab.chaos.scenario import load
 
 
 class _Counter:

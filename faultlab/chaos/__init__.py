@@ -1,0 +1,1 @@
+"""The chaos runner, its inputs (scenarios, limits, checks) and the ``faultlab`` commands."""
