@@ -19,5 +19,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/faultlab demo
 
+# The tests run on one worker per core, four at most (each live SGLang engine is a few processes); a file
+# stays on one worker, so its module-scoped engines start once.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=15 tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=15 tests

@@ -276,3 +276,12 @@ def test_every_package_folder_is_listed_in_pyproject():
     found = {".".join(p.parent.relative_to(REPO).parts) for top in ("kvguard", "faultlab")
              for p in (REPO / top).rglob("__init__.py")}
     assert found == listed
+
+
+def test_faultlab_top_level_is_grouped_by_role():
+    """A reader finds each part from the folder names: the oracle at the top, everything else in its role's
+    folder (chaos runner and commands, pytest side, GPU harnesses, engine, fault catalog, SGLang parts)."""
+    modules = sorted(p.name for p in (REPO / "faultlab").glob("*.py") if p.name != "__init__.py")
+    folders = sorted(p.name for p in (REPO / "faultlab").iterdir() if (p / "__init__.py").exists())
+    assert modules == ["oracle.py"], modules
+    assert folders == ["chaos", "engine", "faults", "gpu", "sglang_gpu", "sglang_live", "testing"], folders

@@ -166,13 +166,16 @@ def test_prefill_matching_a_freed_tree_page_is_flagged_and_discarded(rig_ps):
 
 # -- 0 false aborts over many clean steps, accounting balanced ------------------------------------------
 @pytest.mark.parametrize("page_size,need_sort", [(1, False), (16, False), (16, True)])
-def test_no_false_aborts_over_clean_steps_with_prefix_sharing(make_rig, page_size, need_sort):
+def test_no_false_aborts_over_clean_steps_with_prefix_sharing(make_rig, kvguard_backend, page_size, need_sort):
     rig = make_rig(page_size, num_tokens=4096, rows=24, context=256, need_sort=need_sort)
     rig.install(registry=rig.registry)
     rng = random.Random(page_size * 7 + need_sort)
     prefixes = [[100 + 50 * p + i for i in range(rng.choice([16, 32, 40]))] for p in range(4)]
+    # The torch references soak 400 steps; the Triton kernels (interpreted: ~0.1 s a step) run the same
+    # workload for its first 120 (longer soaks: the live engines' and the CLI's sweeps).
+    budget = 400 if kvguard_backend == "torch" else 120
     running, steps, finished = None, 0, 0
-    while steps < 400:
+    while steps < budget:
         if running is None or (len(running.reqs) < 12 and rng.random() < 0.3):
             reqs = [rig.make_req(0, max_new_tokens=64,
                                  tokens=rng.choice(prefixes) + [rng.randrange(1000, 9000) for _ in range(rng.randrange(1, 20))])
@@ -195,7 +198,7 @@ def test_no_false_aborts_over_clean_steps_with_prefix_sharing(make_rig, page_siz
             running = None
             continue
         running.filter_batch(keep_indices=keep)
-    assert finished > 20
+    assert finished > budget // 20, finished
     counts = {labels: child._value.get() for labels, child in rig.guard.tracker.metrics.violations._metrics.items()}
     assert set(counts.values()) == {0}, counts  # no violation of any reason (every series exists, at 0)
 
