@@ -38,7 +38,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 FAULT, SEED = "swapped_entries", 1  # seed 1: the victims are a1 and a3
 STREAMING = {"a0", "a1", "b0"}  # by request index: so that victims and others each see both transports
 EPISODES = [("clean", None), ("swap", FAULT)]
-WORKLOAD = harness.WORKLOAD
+# NOTE: wave 1's four requests arm the injector only while they decode together. Over HTTP on a loaded
+# 2-core machine (CI runs two test files at once) they reach the scheduler one by one, and with the harness's
+# 32 new tokens a0 once finished before a3 arrived ("the injector never armed"): 96 tokens keep them together.
+WORKLOAD = {**harness.WORKLOAD, "new1": 96}
 PAGE_SIZE = 16
 STARTUP_TIMEOUT = 300  # both servers start together: ~60 s on an idle 2-core machine
 SHUTDOWN_TIMEOUT = 30
