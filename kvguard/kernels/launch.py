@@ -33,6 +33,11 @@ def spec(t: torch.Tensor) -> tuple:
     return t.dtype, t.is_cuda
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare ``cuda``), as the raw-stream calls take it."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _set(hook) -> bool:
     """A launch hook is set: a callable, or a non-empty ``HookChain`` (Triton 3.5+ keeps an empty chain)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -48,7 +53,7 @@ class DirectLaunch:
         self.kernels: dict = {}
         self.direct_launches = 0  # launches that bypassed the JIT (tests and benchmarks read it)
         if self.direct:
-            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._index = cuda_index(self.device)
             self._knobs = getattr(triton, "knobs", None)
 
     def __call__(self, grid: tuple, key: tuple, args: tuple, constexprs: dict) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..kernels.launch import cuda_index
 from ..kernels.tag_check import BoundCheck, WriteGuard, apply_guard, n_chunks_for
 from ..tracker import Check
 from ..violations import KVGuardViolation
@@ -363,7 +364,7 @@ class VerdictRing:
         self.generation = object()  # replaced whenever a buffer or flag cell is (bound launches hold pointers)
         self.events = [torch.cuda.Event() for _ in range(VERDICT_RING)] if cuda else None
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw handle -> stream object (see record)
-        self._index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        self._index = cuda_index(device) if cuda else None
         self.use_events = False  # set by SGLangGuard.resolve when a result carries no copy_done to wait on
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
