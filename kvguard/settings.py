@@ -77,6 +77,8 @@ class TrackerConfig:
             ``incidents-<pid>.jsonl``); empty (the default): none are written.
         history: tag events kept per page for the incident records (0..HISTORY_MAX; 0, the default:
             no ring, nothing recorded on the hot path).
+        graph: capture the decode check into SGLang's decode CUDA graphs, so a replay runs it without a launch
+            from the host (a bool; ``False``: launched before each decode forward instead).
 
     Raises SettingsError for an unknown or empty choice, or a non-bool boolean (``"false"`` is a
     string, and a truthy one: it is rejected rather than read as True).
@@ -88,6 +90,7 @@ class TrackerConfig:
     log_violations: bool = True
     incident_dir: str = ""
     history: int = 0
+    graph: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -109,7 +112,7 @@ class TrackerConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "TrackerConfig":
         """Build from ``KVGUARD_MODE``, ``KVGUARD_BACKEND``, ``KVGUARD_QUARANTINE``, ``KVGUARD_LOG_VIOLATIONS``,
-        ``KVGUARD_INCIDENT_DIR``, ``KVGUARD_HISTORY``.
+        ``KVGUARD_INCIDENT_DIR``, ``KVGUARD_HISTORY``, ``KVGUARD_GRAPH``.
 
         ``overrides`` (config values) win over the environment. Any bad variable raises SettingsError
         naming the variable, its value and what is allowed.

@@ -121,9 +121,11 @@ def test_runtime_install_pulls_nothing_of_faultlab():
 
 
 def test_kvguard_ships_only_its_own_kernels():
-    """kvguard/ is the production tracker: its kernels are the check and the decode recorder (with the tag
-    bump), and their direct launcher; the engine owns the others (attention, KV store, INT4 GEMM)."""
-    assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "launch.py", "record.py", "tag_check.py"]
+    """kvguard/ is the production tracker: its kernels are the check (eager, and as a CUDA-graph node) and the
+    decode recorder (with the tag bump), and their direct launcher; the engine owns the others (attention, KV
+    store, INT4 GEMM)."""
+    assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "graph_check.py", "launch.py", "record.py",
+                                                            "tag_check.py"]
 
 
 def test_kvguard_sources_never_import_pytest_or_hypothesis():

@@ -24,6 +24,7 @@ from faultlab.sglang_gpu.common import (
     setup_env,
 )
 from faultlab.sglang_gpu.probes import ABORT_LOG_ENV, FAULT_RANK_ENV
+from faultlab.sglang_gpu.profiler import TIMING_ENV
 from faultlab.sglang_live.plan import TWIN
 
 
@@ -249,6 +250,10 @@ def cmd_faults(a) -> None:
         env = {"KVGUARD_MODE": g["mode"], **json.loads(a.env)}
         if a.tp == 1 and a.spread_gpus > 1:
             env["CUDA_VISIBLE_DEVICES"] = str(i % a.spread_gpus)
+        if g["mode"] == "check":
+            # kvguard's own account of where its checks ran (decode graphs or eager), reported beside the
+            # verdicts (never read by judge: the injector's victims are the ground truth)
+            env[TIMING_ENV] = os.path.join("/tmp", name + "_timing.json")
         if a.tp > 1:
             env[ABORT_LOG_ENV] = os.path.join("/tmp", name + "_aborts.jsonl")
             if a.fault_rank is not None:
@@ -302,11 +307,16 @@ def cmd_faults(a) -> None:
                  "completed": len(rows), "episodes": rows, "log_tail": tail}
         if a.tp > 1:
             entry["rank_aborts"] = run.get("rank_aborts", [])
+        timing = os.path.join("/tmp", name + "_timing.json")
+        if g["mode"] == "check" and os.path.exists(timing):
+            with open(timing) as f:
+                entry["kvguard_guards"] = json.load(f).get("guards")
         entry["raw_episodes"] = run.get("episodes", [])  # what every client got (output ids or the error)
         summary["engines"].append(entry)
         bad = [r for r in rows if r["fault"] != "none" and (r["victims_aborted"] != r["victims"] or r["false_aborts"]
                                                            or r["non_victim_mismatches"])]
         log(f"{name}: rc={p.returncode} {len(rows)}/{planned} episodes; not clean: "
             + ", ".join(f"{r['label']}(v{r['victims']}/a{r['victims_aborted']}/fa{r['false_aborts']}/m{r['non_victim_mismatches']}"
-                     f"/twin{r.get('twin_mismatches', '-')}/bal{r['balanced']})" for r in bad[:12]))
+                     f"/twin{r.get('twin_mismatches', '-')}/bal{r['balanced']})" for r in bad[:12])
+            + (f"; kvguard {entry['kvguard_guards']}" if entry.get("kvguard_guards") else ""))
     dump(a, a.name, summary)

@@ -74,7 +74,9 @@ class _Prof:
                 self._switch_on = True
         return self._switch_on
 
-    def timed(self, name: str, fn, around: bool = False, hook: bool = False):
+    def timed(self, name: str, fn, around: bool = False, hook: bool = False, always: bool = False):
+        """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off"; ``always``: one it runs
+        then too, untimed (bookkeeping that must go on in both modes)."""
         prof = self
         if name in WAITS:
             return self._timed_wait(name, fn)
@@ -93,6 +95,8 @@ class _Prof:
                 finally:  # a part of a hook's time, reported beside it (not added again)
                     prof.count("inner:" + name, time.perf_counter() - t)
             if hook and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
+                if always:
+                    return fn(*a, **k)
                 return a[0](*a[1:], **k) if around else None
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
 
@@ -253,7 +257,8 @@ def _profiled(profiler, hook):
 
 
 def _guard_stats() -> list:
-    """What each guard of this process built: batch compositions seen, bound launches, direct launches."""
+    """What each guard of this process built: batch compositions seen, bound launches, direct launches, and the
+    checks its decode graphs ran (epochs counted since the capture)."""
     try:
         from kvguard.sglang.plugin import guards
     except ImportError:
@@ -263,7 +268,9 @@ def _guard_stats() -> list:
         ring = g._ring
         out.append({"rows_built": g.rows_built, "bindings": ring.bindings if ring else 0,
                     "direct_launches": ring.launch.kernel.direct_launches if ring else 0,
-                    "checks": g.tracker.checks_launched})
+                    "checks": g.tracker.checks_launched, "deferred": g.defer,
+                    "graph_epochs": g.graph.host_epoch if g.graph is not None else None,
+                    "graph_runners_covered": sum(bool(v) for v in g.graph_runners.values())})
     return out
 
 
@@ -293,7 +300,10 @@ def register_timing() -> None:
         name = "hook:" + target.rsplit(".", 1)[-1]
         if profiler is not None and target.endswith(".prepare_for_decode"):
             hook = _profiled(profiler, hook)
-        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True)
+        # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
+        # runs in both modes (on no rows when nothing is armed), and the host must keep counting it.
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True,
+                           always=target.endswith("DecodeCudaGraphRunner.execute"))
         if target.endswith(".prepare_for_decode"):
             def marked(*a, **k):
                 if prof.kvguard_on():  # an "off" run of the in-engine switch is not kvguard's iteration

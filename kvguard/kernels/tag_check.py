@@ -62,6 +62,27 @@ _PER_STEP = ["table_rows_ptr", "expected_rows_ptr", "n_entries_ptr", "verdict_pt
              "out_lens_ptr", "flag_ptr", "cap", "n_chunks", "stamp", "scratch_slot"]
 
 
+@triton.jit
+def entries_bad(table_ptr, table_row, table_stride, tags_ptr, expected_ptr, expected_row, expected_stride,
+                slot_limit, j, live, ENTRY_STEP: tl.constexpr, PAGE_DIV: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """The check of one chunk of entries ``j`` (``live``: the ones to read) of one request: (bad mask, the
+    entries' pointers, their values). Shared by the eager kernel and the graph kernel (kvguard.kernels.graph_check)."""
+    entry_ptrs = table_ptr + table_row * table_stride + j.to(tl.int64) * ENTRY_STEP
+    raw = tl.load(entry_ptrs, mask=live, other=0).to(tl.int64)
+    out_of_range = (raw < 0) | (raw >= slot_limit)
+    page = tl.where(out_of_range, 0, raw // PAGE_DIV)
+    tag = tl.load(tags_ptr + page, mask=live & (out_of_range == 0), other=-1)
+    if PER_TOKEN:
+        # token j lives in logical page j // PAGE_DIV at in-page offset j % PAGE_DIV
+        col = j // PAGE_DIV
+        misplaced = (raw % PAGE_DIV) != (j % PAGE_DIV)
+    else:
+        col = j
+        misplaced = j < 0
+    want = tl.load(expected_ptr + expected_row * expected_stride + col, mask=live, other=-1)
+    return live & (out_of_range | (tag != want) | misplaced), entry_ptrs, raw
+
+
 # NOTE: what changes between steps (the per-step tensors, their offsets, the grid-shaped integers) is never
 # specialized on, value or alignment: one compiled variant serves every step (no compile mid-serving), and a
 # direct launch (kvguard.kernels.launch) needs to know only the dtypes to pick it.
@@ -83,20 +104,8 @@ def _tag_check_kernel(
     rows_ok = (table_row >= 0) & (table_row < table_nrows) & (expected_row >= 0) & (expected_row < expected_nrows)
     j = chunk * BLOCK + tl.arange(0, BLOCK)
     live = (j < n) & (j < cap) & rows_ok
-    entry_ptrs = table_ptr + table_row * table_stride + j.to(tl.int64) * ENTRY_STEP
-    raw = tl.load(entry_ptrs, mask=live, other=0).to(tl.int64)
-    out_of_range = (raw < 0) | (raw >= slot_limit)
-    page = tl.where(out_of_range, 0, raw // PAGE_DIV)
-    tag = tl.load(tags_ptr + page, mask=live & (out_of_range == 0), other=-1)
-    if PER_TOKEN:
-        # token j lives in logical page j // PAGE_DIV at in-page offset j % PAGE_DIV
-        col = j // PAGE_DIV
-        misplaced = (raw % PAGE_DIV) != (j % PAGE_DIV)
-    else:
-        col = j
-        misplaced = j < 0
-    want = tl.load(expected_ptr + expected_row * expected_stride + col, mask=live, other=-1)
-    bad = live & (out_of_range | (tag != want) | misplaced)
+    bad, entry_ptrs, raw = entries_bad(table_ptr, table_row, table_stride, tags_ptr, expected_ptr, expected_row,
+                                       expected_stride, slot_limit, j, live, ENTRY_STEP, PAGE_DIV, PER_TOKEN)
     if QUARANTINE:
         tl.store(entry_ptrs, (raw * 0 + scratch_page).to(table_ptr.dtype.element_ty), mask=bad)
     count = tl.sum(bad.to(tl.int32), axis=0)

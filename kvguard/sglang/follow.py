@@ -164,6 +164,11 @@ class PoolFollower:
         alloc_wrapper.__wrapped__ = original
         return alloc_wrapper
 
+    def attach_tree(self, tree_cache) -> None:
+        """Follow ``tree_cache`` too (a guard installed before SGLang built its tree: kvguard.sglang.plugin)."""
+        self.tree_cache = tree_cache
+        self._wrap_tree_cache()
+
     def _wrap_tree_cache(self) -> None:
         tree = self.tree_cache
         if tree is None or not hasattr(tree, "checkpoint"):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..kernels.graph_check import GraphCheck
 from ..kernels.launch import cuda_index
 from ..kernels.tag_check import BoundCheck, WriteGuard, apply_guard, n_chunks_for
 from ..tracker import Check
@@ -45,12 +46,20 @@ class Pending:
     rows: torch.Tensor | None = None  # the owner rows checked (device)
     table_rows: torch.Tensor | None = None  # the batch's row indices the table was read at
     ready: Any = None  # a CUDA event recorded after the launch (schedulers without copy_done), or None
+    batch: Any = None  # armed and not launched yet: the ScheduleBatch (SGLangGuard.fire / graph_step launch it)
+    epoch: int | None = None  # launched inside a decode graph replay: its epoch (kvguard.kernels.graph_check)
 
 
 class SGLangGuard(PoolFollower):
     """The batched check over one SGLang scheduler's pools, and the abort of exactly the flagged requests."""
 
     _ring: "VerdictRing | None" = None  # the per-step check's buffers, made at warm-up (or the first launch)
+    graph: GraphCheck | None = None  # the check captured into SGLang's decode graphs (enable_graph), if any
+    graph_runners: dict = {}
+    armed: Pending | None = None  # the decode check prepared for the coming forward, not launched yet
+    # Decode checks wait for the forward that runs them (set once every decode forward of this scheduler goes
+    # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
+    defer: bool = False
 
     def launch(self, batch, device_group=None) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
@@ -61,53 +70,42 @@ class SGLangGuard(PoolFollower):
         write slots of flagged requests are redirected to the padding slot in the same launch
         (:meth:`write_guard`).
 
-        NOTE (the steady state, on the host): one direct kernel launch (and an event only for a scheduler whose
-        results carry no copy_done); the rows are cached per batch composition, the staleness per row-pool
-        change, the buffers are the ring's. The
-        launch writes "anything bad?" straight into a pinned host cell (:meth:`resolve` reads it with the
-        sampled ids) and the per-request verdict into a device buffer read only when that cell says so.
+        NOTE (the steady state, a decode step): the check is armed here and launched by the forward that runs
+        the batch (kvguard.sglang.plugin): inside SGLang's decode graph replay, where it was captured (nothing
+        launched from the host: :meth:`graph_step`), or eagerly right before an eager forward (:meth:`fire`: one
+        direct launch, bound to the batch's rows once per batch composition, into the ring's buffers). Either
+        writes "anything bad?" straight into a pinned host cell (:meth:`resolve` reads it with the sampled ids)
+        and the per-request verdict into a device buffer read only when that cell says so.
 
         ``device_group`` (attention TP of two or more ranks): the ranks agree on the stream, with one
         MAX all-reduce of the verdict (stale requests counted in) on the device group, copied to the host
         beside the flag; no CPU collective per step.
         """
         rows_ = self.batch_rows(batch)
-        if rows_.all_known:  # the normal case: every row followed, the batch's own lengths
-            lens = batch.seq_lens_cpu.numpy()
-            max_entries = int(np.maximum.reduce(lens)) if lens.size else 0
-            n_entries, total = batch.seq_lens, int(np.add.reduce(lens))
-        else:
-            n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
-            max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
-            n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
-        if max_entries == 0:
-            return None
-        stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
-        if stale is None or len(stale) != len(batch.reqs):
-            stale = self.stale(batch)
-        ring = self._ring or self._make_ring()
-        slot, stamp = ring.next()
         out = batch.out_cache_loc
         if rows_.all_known and device_group is None and out is not None and out.numel() == len(batch.reqs):
-            # The decode step (the steady state): the launch bound to this batch's rows (built once per batch
-            # composition), into the ring's buffers, with the write guard over the step's one slot each.
-            bound = self._bound(batch, rows_, ring, out)
-            with self.tracker.lock:
-                cells = bound(slot, batch.req_pool_indices, n_entries, out, max_entries, stamp)
-            self.tracker.count_check(total)
-            check = None
-            if any(stale):
-                # Rare: requests whose row went to a newer owner write nothing either (their check may pass)
-                apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
-        else:
-            guard = self.write_guard(batch)
-            cells = None
-            check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
-                                       table_rows=batch.req_pool_indices,
-                                       verdict=ring.verdict(slot, len(batch.reqs), max_entries),
-                                       flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
-            if guard is not None and any(stale):
-                apply_guard(guard, self.to_device(stale, torch.bool))
+            # The decode step (the steady state), or an extend of one token each. A decode step's check is
+            # deferred: launched by the forward that runs this batch (captured in SGLang's decode graph:
+            # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
+            pending = self._arm(batch, rows_, out)
+            if not (self.defer and batch.forward_mode.is_decode()):
+                self.fire(pending, batch.req_pool_indices, batch.seq_lens, out)
+            return pending
+        n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
+        max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
+        if max_entries == 0:
+            return None
+        n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype) if not rows_.all_known else batch.seq_lens
+        stale = self._stale_of(batch)
+        ring = self._ring or self._make_ring()
+        slot, stamp = ring.next()
+        guard = self.write_guard(batch)
+        check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
+                                   table_rows=batch.req_pool_indices,
+                                   verdict=ring.verdict(slot, len(batch.reqs), max_entries),
+                                   flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
+        if guard is not None and any(stale):
+            apply_guard(guard, self.to_device(stale, torch.bool))
         agreed = None
         if device_group is not None:
             agreed = check.verdict.clone()
@@ -117,16 +115,105 @@ class SGLangGuard(PoolFollower):
             host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
             host.copy_(agreed, non_blocking=True)
             agreed = host
-        if ring.device_flags is not None:  # the fallback: the flag cell is on the device, copied here
-            ring.host_cells[slot].copy_(ring.device_flags[slot:slot + 1], non_blocking=True)
+        ring.copy_flag(slot)
         # NOTE: everything above is on the stream before the forward; resolve() reads it after SGLang's own
         # wait for the forward's sampled ids (copy_done, the overlap scheduler's). A scheduler whose results
         # carry none (no overlap) gets an event per check instead (VerdictRing.use_events, set by resolve).
         ready = ring.record(slot) if ring.use_events else None
-        pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, cells, rows_.owner_dev,
+        pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, None, rows_.owner_dev,
                           batch.req_pool_indices, ready)
         batch._kvguard = pending
         return pending
+
+    def _stale_of(self, batch) -> list:
+        stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
+        return stale if stale is not None and len(stale) == len(batch.reqs) else self.stale(batch)
+
+    def _arm(self, batch, rows_, out) -> Pending:
+        """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
+        row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
+        SGLang copies the slots anywhere."""
+        stale = self._stale_of(batch)
+        if any(stale):
+            apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
+        pending = Pending(self, None, list(batch.reqs), -1, 0, stale, rows=rows_.owner_dev,
+                          table_rows=batch.req_pool_indices, batch=batch)
+        self.armed = batch._kvguard = pending
+        return pending
+
+    def fire(self, pending: Pending, table_rows, n_entries, out) -> None:
+        """Launch an armed decode check now, eagerly, on what the forward reads (its row indices, lengths and
+        write slots): the launch bound to the batch's rows (built once per batch composition), into the ring's
+        buffers, with the write guard over the step's one slot each."""
+        batch, pending.batch = pending.batch, None
+        if self.armed is pending:
+            self.armed = None
+        lens = batch.seq_lens_cpu.numpy()
+        max_entries, total = int(np.maximum.reduce(lens)), int(np.add.reduce(lens))
+        ring = self._ring or self._make_ring()
+        slot, stamp = ring.next()
+        bound = self._bound(batch, self.batch_rows(batch), ring, out)
+        with self.tracker.lock:
+            pending.cells = bound(slot, table_rows, n_entries, out, max_entries, stamp)
+        self.tracker.count_check(total)
+        ring.copy_flag(slot)
+        pending.slot, pending.stamp = slot, stamp
+        pending.ready = ring.record(slot) if ring.use_events else None
+
+    def fire_armed(self, forward_batch) -> None:
+        """An eager decode forward is about to run: launch the armed check on its tensors."""
+        pending = self.armed
+        if pending is not None and pending.batch is not None and len(pending.reqs) == forward_batch.batch_size:
+            self.fire(pending, forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.out_cache_loc)
+
+    # -- the check inside SGLang's decode CUDA graph ------------------------------------------------
+
+    def enable_graph(self, batch_cap: int) -> GraphCheck:
+        """The buffers a check captured into SGLang's decode graphs reads (made before the capture)."""
+        if self.graph is None:
+            self.graph = GraphCheck(self.req_to_token_pool.req_to_token, self.tracker.tags.tags, self.tracker.expected,
+                                    page_div=self.page_size, batch_cap=batch_cap, scratch_slot=SCRATCH_SLOT)
+            self.graph_runners: dict = {}  # graph runner -> every shape it captured carries the check
+        return self.graph
+
+    def capture_head(self, runner, forward_batch) -> None:
+        """SGLang's capture head hook (``ModelRunner.capture_head_hooks``): first inside every decode graph
+        capture, so every replay runs the check on the graph's own static buffers before the forward."""
+        g = self.graph
+        bs = forward_batch.batch_size
+        ok = g is not None and forward_batch.forward_mode.is_decode() and bs <= g.batch_cap \
+            and forward_batch.out_cache_loc is not None and forward_batch.out_cache_loc.numel() == bs
+        if ok:
+            g.launch(forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.out_cache_loc, bs)
+        self.graph_runners[runner] = ok and self.graph_runners.get(runner, True)
+
+    def graph_step(self, runner, forward_batch) -> Pending | None:
+        """A decode graph is about to replay: its captured check takes the next epoch, for the armed check of this
+        batch (its rows put in the graph's owner buffer when the batch's composition changed). A runner whose
+        graphs were captured without the check gets the armed check launched eagerly."""
+        pending = self.armed
+        if not self.graph_runners.get(runner, False):
+            if pending is not None:
+                self.fire_armed(forward_batch)
+            return None
+        epoch = self.graph.next()
+        if pending is None or pending.batch is None or len(pending.reqs) != forward_batch.batch_size:
+            # No check armed for this replay: its captured check checks nothing (an armed check that was never
+            # launched is refused at its verdict).
+            self.graph.clear_owner()
+            return None
+        if self.graph.owner_of is not pending.rows:
+            self.graph.set_owner(pending.rows)
+        self.armed = pending.batch = None
+        pending.epoch = epoch
+        self.tracker.count_check()
+        return pending
+
+    def graph_replayed(self, pending: Pending) -> None:
+        """After the replay (a scheduler without copy_done waits on this event for the verdict)."""
+        ring = self._ring
+        if ring is not None and ring.use_events:
+            pending.ready = ring.record_event(self.graph.events[pending.epoch % len(self.graph.events)])
 
     def _bound(self, batch, rows_, ring, out):
         """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
@@ -145,7 +232,8 @@ class SGLangGuard(PoolFollower):
         """The launched check of ``pending`` as a :class:`kvguard.tracker.Check` (made here for a bound launch:
         only a flagged step needs it)."""
         if pending.check is None:
-            verdict = self._ring.buffers()[pending.slot][:pending.cells].view(len(pending.reqs), -1)
+            verdict = self.graph.verdict(pending.epoch, len(pending.reqs)) if pending.epoch is not None else \
+                self._ring.buffers()[pending.slot][:pending.cells].view(len(pending.reqs), -1)
             pending.check = Check(verdict, pending.rows, self.req_to_token_pool.req_to_token, pending.table_rows,
                                   1, self.page_size, True)
         return pending.check
@@ -200,7 +288,15 @@ class SGLangGuard(PoolFollower):
         all-reduce here.
         """
         self.wait_forward(pending, done)
-        flagged = self._ring.flagged(pending.slot, pending.stamp)
+        if pending.epoch is not None:
+            flagged = self.graph.flagged(pending.epoch)  # raises if this epoch's result is not in its slot
+        elif pending.slot < 0:
+            message = (f"kvguard: a decode batch of {len(pending.reqs)} requests ran without its check (no forward "
+                       f"kvguard hooks launched it); kvguard does not serve a step it did not check")
+            log.critical(message)
+            raise RuntimeError(message)
+        else:
+            flagged = self._ring.flagged(pending.slot, pending.stamp)
         agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
         if not flagged and not any(pending.stale) and (agreed is None and group is None or
                                                        agreed is not None and not bool(agreed.any())):
@@ -402,8 +498,17 @@ class VerdictRing:
     def buffers(self) -> list:
         return self._verdicts
 
+    def copy_flag(self, slot: int) -> None:
+        """The fallback (a device that cannot write pinned memory): slot's device flag copied to its host cell."""
+        if self.device_flags is not None:
+            self.host_cells[slot].copy_(self.device_flags[slot:slot + 1], non_blocking=True)
+
     def record(self, slot: int) -> torch.cuda.Event:
-        """Record slot's event on the current stream, now (after the check, before the forward).
+        """Record slot's event on the current stream, now (after the check, before the forward)."""
+        return self.record_event(self.events[slot])
+
+    def record_event(self, event: torch.cuda.Event) -> torch.cuda.Event:
+        """Record ``event`` on the current stream, now.
 
         NOTE: ``Event.record()`` looks the current stream up through ``torch.cuda.current_stream()``, tens of
         microseconds of Python per call on the scheduler's thread; the raw handle is one C call, and the
@@ -414,7 +519,6 @@ class VerdictRing:
             if len(self._streams) > 64:  # a scheduler that makes streams as it goes: keep the map small
                 self._streams.clear()
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-        event = self.events[slot]
         torch._C._CudaEventBase.record(event, stream)
         return event
 

@@ -25,12 +25,19 @@ target                                                             type    what 
 ``managers.schedule_batch.ScheduleBatch.prepare_for_decode``       AFTER   check the decode batch, guard
                                                                            its write slots
 ``managers.schedule_batch.ScheduleBatch.copy``                     AFTER   carry the check (overlap)
-``managers.schedule_batch.ScheduleBatch.mix_with_running``         AFTER   carry the decode part's check
-                                                                           into a mixed batch
+``managers.schedule_batch.ScheduleBatch.mix_with_running``         AROUND  launch the decode part's check,
+                                                                           carry it into the mixed batch
 ``SchedulerBatchResultProcessor.process_batch_result_prefill``     AROUND  read verdict, discard flagged
 ``SchedulerBatchResultProcessor.process_batch_result_decode``      AROUND  read verdict, abort flagged
 ``managers.scheduler.Scheduler.update_running_batch``              AROUND  abort stale-row requests before
                                                                            the decode step is prepared
+``managers.scheduler.Scheduler.init_all_cuda_graphs``              AROUND  install before the graphs are
+                                                                           captured: the decode check is
+                                                                           captured into every decode graph
+``...runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute`` AROUND  a replay runs the armed decode
+                                                                           check (its epoch)
+``...runner.eager_runner.EagerRunner.execute``                     AROUND  an eager decode forward: launch
+                                                                           the armed decode check first
 =================================================================  ======  ==================================
 
 **Fail closed.** SGLang's loader catches every ``Exception`` a plugin raises and serves on without it. An
@@ -76,6 +83,9 @@ TARGETS = {
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
     "process_batch_result_decode": f"{_PROCESSOR}.process_batch_result_decode",
     "update_running_batch": f"{_SCHEDULER}.update_running_batch",
+    "init_all_cuda_graphs": f"{_SCHEDULER}.init_all_cuda_graphs",
+    "graph_execute": f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+    "eager_execute": f"{_SRT}.model_executor.runner.eager_runner.EagerRunner.execute",
 }
 
 _registered_config: TrackerConfig | None = None
@@ -145,10 +155,13 @@ def hooks() -> dict[str, tuple]:
         "prepare_for_extend": (_after_prepare_for_extend, "AFTER"),
         "prepare_for_decode": (_after_prepare_for_decode, "AFTER"),
         "batch_copy": (_after_batch_copy, "AFTER"),
-        "mix_with_running": (_after_mix_with_running, "AFTER"),
+        "mix_with_running": (_around_mix_with_running, "AROUND"),
         "process_batch_result_prefill": (_around_process_batch_result_prefill, "AROUND"),
         "process_batch_result_decode": (_around_process_batch_result_decode, "AROUND"),
         "update_running_batch": (_around_update_running_batch, "AROUND"),
+        "init_all_cuda_graphs": (_around_init_all_cuda_graphs, "AROUND"),
+        "graph_execute": (_around_graph_execute, "AROUND"),
+        "eager_execute": (_around_eager_execute, "AROUND"),
     }
 
 
@@ -241,23 +254,28 @@ def _after_check_server_args(result, server_args, *args, **kwargs):
     return None
 
 
-def _after_build_kv_cache(result, *args, **kwargs):
-    # The last line of defence, in each scheduler: every hook in place, and the registry's verdict on the
-    # server settings and the model this scheduler actually loaded.
+def preflight(server_args, model_config) -> list:
+    """Every hook in place and the registry's verdict on the server settings and the model this scheduler
+    loaded: the active paths, or KVGuardStartupError."""
     problems = self_check()
     if problems:
         raise KVGuardStartupError("kvguard: refusing to start: KVGUARD_MODE=check but SGLang did not apply "
                                   "every kvguard hook (a partly hooked server would serve partly unchecked): "
                                   + "; ".join(problems))
-    active = []
-    if kwargs.get("server_args") is not None:
-        from .paths import active as active_paths, facts_of, refusal
+    if server_args is None:
+        return []
+    from .paths import active, facts_of, refusal
 
-        facts = facts_of(_resolved(kwargs["server_args"]), kwargs.get("model_config"))
-        message = refusal(facts)
-        if message is not None:
-            raise KVGuardStartupError(message)
-        active = active_paths(facts)
+    facts = facts_of(_resolved(server_args), model_config)
+    message = refusal(facts)
+    if message is not None:
+        raise KVGuardStartupError(message)
+    return active(facts)
+
+
+def _after_build_kv_cache(result, *args, **kwargs):
+    # The last line of defence, in each scheduler (a guard installed before the graph capture is checked again).
+    active = preflight(kwargs.get("server_args"), kwargs.get("model_config"))
     gauge = metrics_for().paths
     for p in active:
         gauge.labels(path=p.name, status=p.status).set(1)
@@ -289,6 +307,11 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
         raise TypeError(f"kvguard.install: {type(req_to_token_pool).__name__} has no req_to_token table")
     existing = guard_of(allocator)
     if existing is not None:
+        if existing.req_to_token_pool is not req_to_token_pool:
+            raise KVGuardStartupError(f"kvguard: refusing to start: the KV allocator's guard follows another "
+                                      f"req_to_token pool than {type(req_to_token_pool).__name__} the scheduler uses")
+        if existing.tree_cache is None and tree_cache is not None:
+            existing.attach_tree(tree_cache)  # installed before the graph capture, ahead of the tree
         return existing
     guard = SGLangGuard(req_to_token_pool, allocator, tree_cache,
                         config or TrackerConfig.from_env(mode="check"), registry=registry)
@@ -504,14 +527,20 @@ def _after_batch_copy(copy, batch, *args, **kwargs):
     return None
 
 
-def _after_mix_with_running(result, batch, running_batch, *args, **kwargs):
-    # Mixed chunked prefill: the running requests were checked (and their write slots guarded) by their
-    # own prepare_for_decode; their verdict now travels with the mixed batch, whose result the prefill
-    # path processes.
+def _around_mix_with_running(original, batch, running_batch, *args, **kwargs):
+    # Mixed chunked prefill: the running requests' check was armed by their own prepare_for_decode; it is
+    # launched here, before their write slots are merged into the mixed batch's (the write guard rewrites
+    # them where SGLang reads them now), and its verdict travels with the mixed batch, whose result the
+    # prefill path processes.
+    pending = running_batch.__dict__.get("_kvguard")
+    if pending is not None and pending.batch is not None:
+        pending.guard.fire(pending, running_batch.req_pool_indices, running_batch.seq_lens,
+                           running_batch.out_cache_loc)
+    result = original(batch, running_batch, *args, **kwargs)
     pending = running_batch.__dict__.pop("_kvguard", None)
     if pending is not None:
         batch._kvguard_mixed = pending
-    return None
+    return result
 
 
 def _flagged(batch, result):
@@ -602,4 +631,92 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
     return original(scheduler, batch, *args, **kwargs)
 
 
+# ------------------------------------------------------------------------------------------------
+# The model runners: the decode check captured into SGLang's decode CUDA graphs
+# ------------------------------------------------------------------------------------------------
+# A decode step's check is armed when SGLang prepares the batch (``prepare_for_decode``) and launched by the
+# forward that runs it:
+#
+# - **a decode graph replay** (``DecodeCudaGraphRunner.execute``): the check was captured into every decode
+#   graph, first node before the forward (SGLang's ``ModelRunner.capture_head_hooks``), on the graph's own
+#   static buffers. The replay runs it: no launch on the host. kvguard counts the replays (the check's epoch,
+#   :mod:`kvguard.kernels.graph_check`) and writes the batch's expectation rows into the graph's owner buffer
+#   when the batch's composition changes;
+# - **an eager decode forward** (``EagerRunner.execute``: no graph, or a batch larger than the graphs): the
+#   check is launched right before it, on the tensors it reads;
+# - **a mixed chunked-prefill batch** (``ScheduleBatch.mix_with_running``, above): launched
+#   before the decode part is merged.
+#
+# For that, kvguard installs on the scheduler's pools before SGLang captures its graphs
+# (``Scheduler.init_all_cuda_graphs``), after the same checks as at ``build_kv_cache``. Checks wait for the
+# forward only when every decode forward of the scheduler goes through a runner hooked here (the model
+# runner's decode runner is none, the eager runner, or one whose graphs all carry the check); otherwise they
+# are launched as the batch is prepared, as before. An armed check that no forward launched is refused at its
+# verdict (the scheduler stops): kvguard never serves a decode step it did not check.
 
+
+def _guard_of_runner(runner):
+    model_runner = getattr(runner, "model_runner", None)
+    return getattr(getattr(model_runner, "token_to_kv_pool_allocator", None), "_kvguard", None)
+
+
+def _around_init_all_cuda_graphs(original, scheduler, *args, **kwargs):
+    guard = _install_before_capture(scheduler)
+    result = original(scheduler, *args, **kwargs)
+    if guard is not None:
+        model_runner = scheduler.tp_worker.model_runner
+        decode = getattr(model_runner, "decode_cuda_graph_runner", None)
+        if guard.graph is not None:
+            guard.graph.reset()  # the capture's warm-up and capture runs advanced the device's count
+        guard.defer = decode is None or decode is getattr(model_runner, "eager_runner", None) \
+            or guard.graph_runners.get(decode, False)
+        log.info("kvguard: decode checks %s", "captured into SGLang's decode graphs" if guard.graph_runners.get(
+            decode, False) else "launched before each decode forward" if guard.defer else
+                 "launched as each decode batch is prepared")
+    return result
+
+
+def _install_before_capture(scheduler):
+    """The guard on this scheduler's pools, installed now (before the capture), with the graph check's buffers
+    and the capture head hook on CUDA; None where the install is left to build_kv_cache (its checks fail)."""
+    config = _registered_config
+    model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+    if config is None or pool is None or not isinstance(allocator, (PagedTokenToKVPoolAllocator,
+                                                                     TokenToKVPoolAllocator)):
+        return None  # build_kv_cache installs (or refuses an allocator kvguard does not cover)
+    try:
+        preflight(getattr(scheduler, "server_args", None), getattr(scheduler, "model_config", None))
+        guard = install(pool, allocator, None, config=config)
+    except SystemExit:
+        return None  # refused: build_kv_cache refuses again, with the same message, before anything serves
+    device_group = _attn_tp()[1]
+    if config.graph and guard.device.type == "cuda" and device_group is None and guard.graph is None:
+        # SGLang captures batch sizes up to its row pool's size (get_batch_sizes_to_capture); a larger one would
+        # capture without the check, and that runner's decode checks are then launched as batches are prepared.
+        guard.enable_graph(guard.num_rows)
+        model_runner.capture_head_hooks.append(guard.capture_head)
+        torch.cuda.synchronize(guard.device)
+    return guard
+
+
+def _around_graph_execute(original, runner, forward_batch, *args, **kwargs):
+    guard = _guard_of_runner(runner)
+    if guard is None or guard.graph is None or not forward_batch.forward_mode.is_decode():
+        return original(runner, forward_batch, *args, **kwargs)
+    pending = guard.graph_step(runner, forward_batch)
+    out = original(runner, forward_batch, *args, **kwargs)
+    if pending is not None:
+        guard.graph_replayed(pending)
+    return out
+
+
+def _around_eager_execute(original, runner, forward_batch, *args, **kwargs):
+    if forward_batch.forward_mode.is_decode():
+        guard = _guard_of_runner(runner)
+        if guard is not None and guard.armed is not None:
+            guard.fire_armed(forward_batch)
+    return original(runner, forward_batch, *args, **kwargs)
