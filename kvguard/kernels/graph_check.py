@@ -91,6 +91,7 @@ class GraphCheck:
         self._flag_np, self._done_np = self.flag.numpy(), self.done.numpy()
         self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
         self.host_epoch = 0  # checks enqueued (the device counter's value once they ran)
+        self.recaptured = False  # a capture ran the check since the last reset (its warm-ups count on the device)
         self.owner_of: object = None  # the owner rows now in ``owner`` (set_owner)
         self._owner_n = 0
         self.events = [torch.cuda.Event() for _ in range(RING)] if pinned else None
@@ -126,6 +127,14 @@ class GraphCheck:
             self.owner[:self._owner_n].fill_(-1)
         self._owner_n, self.owner_of = 0, None
 
+    def resync(self) -> None:
+        """After a capture while serving (a recapture: its warm-up runs advanced the device's count): wait for
+        the device and count on from its value. A check in flight whose slot a warm-up reused reads as another
+        epoch's result, and is refused (:meth:`flagged`)."""
+        if self.epoch.is_cuda:
+            torch.cuda.synchronize(self.epoch.device)
+        self.host_epoch, self.recaptured = int(self.epoch.item()), False
+
     def next(self) -> int:
         """The epoch of the check the next replay runs (counted on the host, as the device counts it)."""
         epoch, self.host_epoch = self.host_epoch, self.host_epoch + 1
@@ -151,7 +160,7 @@ class GraphCheck:
         self.flag.zero_()
         self.done.zero_()
         self.owner.fill_(-1)
-        self.host_epoch, self._owner_n, self.owner_of = 0, 0, None
+        self.host_epoch, self._owner_n, self.owner_of, self.recaptured = 0, 0, None, False
         if self.epoch.is_cuda:
             torch.cuda.synchronize(self.epoch.device)
 

@@ -185,6 +185,7 @@ class SGLangGuard(PoolFollower):
             and forward_batch.out_cache_loc is not None and forward_batch.out_cache_loc.numel() == bs
         if ok:
             g.launch(forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.out_cache_loc, bs)
+            g.recaptured = True  # counted again before the next replay (GraphCheck.reset or resync)
         self.graph_runners[runner] = ok and self.graph_runners.get(runner, True)
 
     def graph_step(self, runner, forward_batch) -> Pending | None:
@@ -196,6 +197,8 @@ class SGLangGuard(PoolFollower):
             if pending is not None:
                 self.fire_armed(forward_batch)
             return None
+        if self.graph.recaptured:  # SGLang captured graphs while serving (a PD role switch, an elastic recapture)
+            self.graph.resync()
         epoch = self.graph.next()
         if pending is None or pending.batch is None or len(pending.reqs) != forward_batch.batch_size:
             # No check armed for this replay: its captured check checks nothing (an armed check that was never

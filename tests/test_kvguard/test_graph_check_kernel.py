@@ -146,3 +146,22 @@ def test_programs_split_a_long_row():
     g.launch(torch.tensor([1]), torch.tensor([width]), torch.tensor([77]), 1)
     per_program = g.verdict(epoch, 1)[0]
     assert int(per_program.sum()) == 4 and (per_program > 0).nonzero().flatten().tolist() == [0, 5, 9]
+
+
+def test_a_capture_while_serving_is_counted_again():
+    case, seq = make_per_token_case(460, batch=2, page_size=PS)
+    rows, owner, n, slots = padded(case, seq, pad=0)
+    g = GraphCheck(case.table, case.tags, case.expected, page_div=PS, batch_cap=4)
+    g.set_owner(case.expected_rows)
+    epoch = g.next()
+    g.launch(rows, n, slots.clone(), 2)
+    for _ in range(3):  # a recapture's warm-up runs: on the device only
+        g.launch(rows, n, slots.clone(), 2)
+    g.recaptured = True
+    g.resync()
+    assert g.host_epoch == int(g.epoch) == 4 and not g.recaptured
+    with pytest.raises(RuntimeError, match="cannot be trusted"):
+        g.flagged(epoch + RING)  # an epoch the host never counted reads as missing, never as clean
+    epoch = g.next()
+    g.launch(rows, n, slots.clone(), 2)
+    assert epoch == 4 and g.flagged(epoch) is False

@@ -278,12 +278,14 @@ def test_allocator_subclass_is_covered_and_others_refused(make_rig):
     assert metrics_for(registry).uncovered._value.get() == 1
 
 
-def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig):
+@pytest.mark.parametrize("deferred", [False, True], ids=["launched-at-prepare", "armed-then-launched-at-mix"])
+def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig, deferred):
     from kvguard.sglang.plugin import _flagged
 
     rig = make_rig(16)
-    rig.install(registry=rig.registry)
+    guard = rig.install(registry=rig.registry)
     running = rig.running(20, 20)
+    guard.defer = deferred  # as a scheduler whose every decode forward kvguard hooks (CUDA graphs, eager runner)
     a, b = running.reqs
     rig.row(a)[3] = rig.pages_of(b)[0] * 16 + 3  # broken before the mixed step's prepare_for_decode
     rig.decode(running)
@@ -413,3 +415,35 @@ def test_an_extend_batch_whose_writes_cannot_be_mapped_is_never_run_unguarded(ma
     batch.extend_lens = [batch.extend_lens[0] + 1] + batch.extend_lens[1:]  # one slot more than written
     with pytest.raises(RuntimeError, match="cannot guard"):
         guard.write_guard(batch)
+
+
+def test_an_armed_decode_check_that_no_forward_launched_stops_the_scheduler(make_rig):
+    """Deferred decode checks (launched by the forward that runs the batch): a step whose check was armed and
+    never launched is never served; its verdict read stops the scheduler instead of passing it."""
+    from kvguard.sglang.plugin import _flagged
+
+    rig = make_rig(16)
+    guard = rig.install(registry=rig.registry)
+    running = rig.running(20, 20)
+    guard.defer = True
+    pending = rig.decode(running)
+    assert guard.armed is pending and pending.slot < 0 and pending.batch is running  # armed, not launched
+    with pytest.raises(RuntimeError, match="ran without its check"):
+        _flagged(running, None)
+
+
+def test_an_armed_decode_check_launched_on_the_forwards_tensors_flags_exactly_the_broken_request(make_rig):
+    from kvguard.sglang.plugin import _flagged
+
+    rig = make_rig(16)
+    guard = rig.install(registry=rig.registry)
+    running = rig.running(20, 20, 33)
+    guard.defer = True
+    a, b, c = running.reqs
+    rig.row(c)[5] = rig.pages_of(a)[0] * 16 + 5  # c reads a's page
+    pending = rig.decode(running)
+    slots = running.out_cache_loc.clone()
+    guard.fire(pending, running.req_pool_indices, running.seq_lens, running.out_cache_loc)  # what the eager runner's hook does
+    assert guard.armed is None and pending.batch is None and pending.slot >= 0
+    assert running.out_cache_loc.tolist() == slots.tolist()[:2] + [0]  # c's write went to the padding slot
+    assert [item[0].rid for item in _flagged(running, None)[1]] == [c.rid]
