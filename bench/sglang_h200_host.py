@@ -3,11 +3,13 @@
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
-``--switch``: dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
+``--switch``: dec02h with the decode check captured into SGLang's decode graphs (overlap off at c=1 and 64,
+on at c=1); dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
 dec02e (overlap off, 8192/1000) and dec02d/on (overlap on, 1024/1000) after the per-step launch work; then the
 December 1 runs before it, dec01d and dec01e) and writes one
 row per (run, overlap, concurrency) in the issue's format, each raw file's command kept beside its rows, and
-the per-piece host costs of ``bench/host_path_h200.py`` (dec02d/host_path.json) under ``pieces``.
+the per-piece host and GPU costs of ``bench/host_path_h200.py`` (dec02h/graph1/host_path.json, with the GPU
+time of the check as SGLang's graphs carry it) under ``pieces``.
 A row whose concurrency the run's time budget skipped has no ratios (null).
 """
 import argparse
@@ -16,14 +18,21 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02g", "off", "overhead_switch_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02h", "off", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02h", "on", "overhead_switch_overlap.json"),
+           os.path.join(RAW, "dec02g", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02g", "on", "overhead_switch_overlap.json"),
            os.path.join(RAW, "dec02g", "b256", "overhead_switch_nooverlap_c256.json"),
            os.path.join(RAW, "dec02e", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02d", "on", "overhead_switch_overlap_1024.json"),
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
-PIECES = os.path.join(RAW, "dec02d", "host_path.json")
-NOTES = {"dec02g/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.4 s, 46 tok/s), "
+PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
+PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
+NOTES = {"dec02h/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.3 s, 48 tok/s), "
+                       "which the c=1 throughput ratio and its A/A carry; the ITL ratios do not",
+         "dec02h/on": "c=1 only, two pairs (the device time left skipped c=64); the first off run was cold, so the "
+                      "throughput and TTFT ratios are not figures; the ITL p50 ratio is",
+         "dec02g/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.4 s, 46 tok/s), "
                        "which the c=1 throughput ratio and its A/A carry; the ITL ratios do not",
          "dec02g/b256": "one pair; the off run compiled SGLang's own attention kernel mid-run (SGLang warned): "
                         "its ratios are not a figure, its host time is",
@@ -55,7 +64,7 @@ def main() -> None:
     out = {"command": " && ".join(commands), "sglang": rows[0]["sglang"] if rows else None, "rows": rows}
     if os.path.exists(PIECES):
         with open(PIECES) as f:
-            out["pieces"] = {"command": "python3 bench/host_path_h200.py --out $OUT --calls 1500",
+            out["pieces"] = {"command": PIECES_COMMAND,
                              "raw": os.path.relpath(PIECES, HERE), **json.load(f)}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
