@@ -154,6 +154,27 @@ class GraphCheck:
         """The per-program verdict ``[batch, PROGRAMS]`` of ``epoch`` (device)."""
         return self.verdicts[epoch % RING, :batch]
 
+    def self_test(self, row: int) -> bool:
+        """Before any capture: checks of one entry nothing was recorded for (``row``: SGLang's padding row) must
+        flag, and of none must not, in the cells the host reads (a device that cannot write pinned host memory
+        from a kernel fails). Compiles the kernels on the way; ends reset."""
+        dev = self.owner.device
+        rows = torch.full((1,), row, dtype=torch.int64, device=dev)
+        slots = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.set_owner(rows)
+        ok = True
+        for n in (1, 0, 1, 0):
+            epoch = self.next()
+            self.launch(rows, torch.full((1,), n, dtype=torch.int64, device=dev), slots, 1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            try:
+                ok = ok and self.flagged(epoch) == (n > 0)
+            except RuntimeError:
+                ok = False
+        self.reset()
+        return ok
+
     def reset(self) -> None:
         """After capture (whose warm-up and capture runs advanced the counter): epoch 0 on both sides, no result."""
         self.epoch.zero_()

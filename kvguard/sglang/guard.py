@@ -55,7 +55,7 @@ class SGLangGuard(PoolFollower):
 
     _ring: "VerdictRing | None" = None  # the per-step check's buffers, made at warm-up (or the first launch)
     graph: GraphCheck | None = None  # the check captured into SGLang's decode graphs (enable_graph), if any
-    graph_runners: dict = {}
+    graph_runners: dict = {}  # (the instance's own dict from enable_graph on; never written here)
     armed: Pending | None = None  # the decode check prepared for the coming forward, not launched yet
     # Decode checks wait for the forward that runs them (set once every decode forward of this scheduler goes
     # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
@@ -168,12 +168,18 @@ class SGLangGuard(PoolFollower):
 
     # -- the check inside SGLang's decode CUDA graph ------------------------------------------------
 
-    def enable_graph(self, batch_cap: int) -> GraphCheck:
-        """The buffers a check captured into SGLang's decode graphs reads (made before the capture)."""
+    def enable_graph(self, batch_cap: int) -> GraphCheck | None:
+        """The buffers a check captured into SGLang's decode graphs reads (made before the capture), once their
+        self-test passed on this device; None otherwise (decode checks are then launched eagerly)."""
         if self.graph is None:
-            self.graph = GraphCheck(self.req_to_token_pool.req_to_token, self.tracker.tags.tags, self.tracker.expected,
-                                    page_div=self.page_size, batch_cap=batch_cap, scratch_slot=SCRATCH_SLOT)
-            self.graph_runners: dict = {}  # graph runner -> every shape it captured carries the check
+            graph = GraphCheck(self.req_to_token_pool.req_to_token, self.tracker.tags.tags, self.tracker.expected,
+                               page_div=self.page_size, batch_cap=batch_cap, scratch_slot=SCRATCH_SLOT)
+            if not graph.self_test(PADDING_ROW):
+                log.warning("kvguard: the graph check's self-test failed on %s (its result cells in pinned host "
+                            "memory); decode checks are launched before each decode forward instead", self.device)
+                return None
+            self.graph = graph
+            self.graph_runners = {}  # graph runner -> every shape it captured carries the check
         return self.graph
 
     def capture_head(self, runner, forward_batch) -> None:

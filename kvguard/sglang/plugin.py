@@ -697,9 +697,8 @@ def _install_before_capture(scheduler):
     if config.graph and guard.device.type == "cuda" and device_group is None and guard.graph is None:
         # SGLang captures batch sizes up to its row pool's size (get_batch_sizes_to_capture); a larger one would
         # capture without the check, and that runner's decode checks are then launched as batches are prepared.
-        guard.enable_graph(guard.num_rows)
-        model_runner.capture_head_hooks.append(guard.capture_head)
-        torch.cuda.synchronize(guard.device)
+        if guard.enable_graph(guard.num_rows) is not None:
+            model_runner.capture_head_hooks.append(guard.capture_head)
     return guard
 
 

@@ -165,3 +165,17 @@ def test_a_capture_while_serving_is_counted_again():
     epoch = g.next()
     g.launch(rows, n, slots.clone(), 2)
     assert epoch == 4 and g.flagged(epoch) is False
+
+
+def test_self_test_passes_on_a_device_that_writes_the_result_cells():
+    case, seq = make_per_token_case(470, batch=2, page_size=PS)
+    expected = case.expected.clone()
+    expected[0] = -1  # row 0, SGLang's padding row: nothing recorded there
+    g = GraphCheck(case.table, case.tags, expected, page_div=PS, batch_cap=4)
+    assert g.self_test(0)
+    assert g.host_epoch == int(g.epoch) == 0 and g.owner.tolist() == [-1] * 4  # ends reset
+    g.flag.fill_(0)
+    g.done.fill_(0)
+    # a device whose writes never reach the cells the host reads: every result is missing, the test fails
+    g.flag, g.done = torch.zeros(RING, dtype=torch.int64), torch.zeros(RING, dtype=torch.int64)
+    assert not g.self_test(0)
