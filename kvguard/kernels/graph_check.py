@@ -123,9 +123,8 @@ class GraphCheck:
 
     def clear_owner(self) -> None:
         """No batch entry is checked from now on (a replay nothing was armed for checks nothing)."""
-        if self._owner_n:
-            self.owner[:self._owner_n].fill_(-1)
-        self._owner_n, self.owner_of = 0, None
+        self.set_owner(self.owner[:0])
+        self.owner_of = None
 
     def resync(self) -> None:
         """After a capture while serving (a recapture: its warm-up runs advanced the device's count): wait for
@@ -186,9 +185,9 @@ class GraphCheck:
             torch.cuda.synchronize(self.epoch.device)
 
 
-def graph_check_ref(table, table_rows, owner, n_entries, tags, expected, slots, *, page_div: int, epoch: int,
+def graph_check_ref(table, table_rows, owner, n_entries, tags, expected, slots, *, page_div: int,
                     scratch_slot: int = 0) -> tuple[torch.Tensor, bool]:
-    """Torch reference of one captured check at ``epoch``: (bad entries per request ``[B]``, anything bad);
+    """Torch reference of one captured check: (bad entries per request ``[B]``, anything bad);
     flagged requests' ``slots`` become ``scratch_slot`` (in place). Padding entries (``owner < 0``) are skipped."""
     from .tag_check import tag_check_ref
 

@@ -91,11 +91,14 @@ class SGLangGuard(PoolFollower):
             if not (self.defer and batch.forward_mode.is_decode()):
                 self.fire(pending, batch.req_pool_indices, batch.seq_lens, out)
             return pending
-        n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
-        max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
+        if rows_.all_known:  # every row followed: the batch's own lengths (attention TP's decode step)
+            n_entries, max_entries, total = (batch.seq_lens,) + _lengths(batch)
+        else:
+            n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
+            max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
+            n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         if max_entries == 0:
             return None
-        n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype) if not rows_.all_known else batch.seq_lens
         stale = self._stale_of(batch)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
@@ -148,8 +151,7 @@ class SGLangGuard(PoolFollower):
         batch, pending.batch = pending.batch, None
         if self.armed is pending:
             self.armed = None
-        lens = batch.seq_lens_cpu.numpy()
-        max_entries, total = int(np.maximum.reduce(lens)), int(np.add.reduce(lens))
+        max_entries, total = _lengths(batch)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
         bound = self._bound(batch, self.batch_rows(batch), ring, out)
@@ -431,6 +433,12 @@ class SGLangGuard(PoolFollower):
         if out:
             self.tracker.note_aborted(len(out))
         return out
+
+
+def _lengths(batch) -> tuple[int, int]:
+    """The batch's longest row and its total entries, from its host lengths (no torch op: a per-step cost)."""
+    lens = batch.seq_lens_cpu.numpy()
+    return (int(np.maximum.reduce(lens)), int(np.add.reduce(lens))) if lens.size else (0, 0)
 
 
 def mark_aborted(req, stale: bool = False) -> None:

@@ -295,9 +295,7 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
     :class:`KVGuardStartupError`, counted in ``kvguard_pools_uncovered``: asked to check, kvguard never
     leaves a pool silently unchecked.
     """
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-
-    if not isinstance(allocator, (PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator)):
+    if not covered(allocator):
         metrics_for(registry).uncovered.inc()
         raise KVGuardStartupError(
             f"kvguard: refusing to start: KVGUARD_MODE=check but the KV allocator "
@@ -320,6 +318,13 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
     log.info("kvguard: installed on %s (page_size=%d, %d pages, %d rows)", type(allocator).__name__,
              guard.page_size, guard.num_pages, guard.num_rows)
     return guard
+
+
+def covered(allocator) -> bool:
+    """kvguard follows this KV allocator: SGLang's paged or token allocator (or a subclass)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+    return isinstance(allocator, (PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator))
 
 
 def guard_of(obj) -> SGLangGuard | None:
@@ -670,9 +675,9 @@ def _around_init_all_cuda_graphs(original, scheduler, *args, **kwargs):
             guard.graph.reset()  # the capture's warm-up and capture runs advanced the device's count
         guard.defer = decode is None or decode is getattr(model_runner, "eager_runner", None) \
             or guard.graph_runners.get(decode, False)
-        log.info("kvguard: decode checks %s", "captured into SGLang's decode graphs" if guard.graph_runners.get(
-            decode, False) else "launched before each decode forward" if guard.defer else
-                 "launched as each decode batch is prepared")
+        where = ("captured into SGLang's decode graphs" if guard.graph_runners.get(decode, False) else
+                 "launched before each decode forward" if guard.defer else "launched as each decode batch is prepared")
+        log.info("kvguard: decode checks %s", where)
     return result
 
 
@@ -683,10 +688,7 @@ def _install_before_capture(scheduler):
     model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     pool = getattr(model_runner, "req_to_token_pool", None)
     allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-
-    if config is None or pool is None or not isinstance(allocator, (PagedTokenToKVPoolAllocator,
-                                                                     TokenToKVPoolAllocator)):
+    if config is None or pool is None or not covered(allocator):
         return None  # build_kv_cache installs (or refuses an allocator kvguard does not cover)
     try:
         preflight(getattr(scheduler, "server_args", None), getattr(scheduler, "model_config", None))
