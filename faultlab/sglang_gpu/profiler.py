@@ -6,6 +6,7 @@ inside the register function only.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -56,6 +57,11 @@ class _Prof:
         self.wait_total = 0.0  # seconds in WAITS so far (subtracted from the hook that made them)
         self.wait_acc = 0.0  # seconds in WAITS since the last decode iteration mark
         self.waits: list[float] = []  # per decode iteration, beside iters
+        # Python's garbage collections that ran inside kvguard's timed code (part of its time, not subtracted:
+        # a collection runs where an allocation crosses the threshold, and collects SGLang's objects too)
+        self.gc_acc = 0.0
+        self.gcs: list[float] = []  # per decode iteration, beside iters
+        self._gc_start = None
         self.switch_path = os.environ.get(SWITCH_ENV) or None
         self.cprofile = None  # CPROFILE_ENV's profiler, if any
         self._switch_on, self._switch_read = True, -1.0
@@ -124,6 +130,14 @@ class _Prof:
 
         return _named(wrapper, fn, name)
 
+    def on_gc(self, phase: str, info: dict) -> None:
+        """``gc.callbacks``: the time of each collection that started inside kvguard's timed code."""
+        if phase == "start":
+            self._gc_start = time.perf_counter() if self.active else None
+        elif self._gc_start is not None:
+            self.gc_acc += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
     def count(self, name: str, seconds: float) -> None:
         rec = self.per_fn.setdefault(name, [0, 0.0])
         rec[0] += 1
@@ -152,6 +166,7 @@ class _Prof:
         if not idle:
             self.iters.append(self.acc)
             self.waits.append(self.wait_acc)
+            self.gcs.append(self.gc_acc)
             self.steps.append(now - self.last_mark)
             self.batch.append(batch_size)
         else:
@@ -159,7 +174,7 @@ class _Prof:
             # request waits on it.
             self._close_window()
             self.dump()
-        self.acc, self.wait_acc, self.last_mark = 0.0, 0.0, now
+        self.acc, self.wait_acc, self.gc_acc, self.last_mark = 0.0, 0.0, 0.0, now
         self.total_iters += 1
 
     def _close_window(self) -> None:
@@ -171,6 +186,8 @@ class _Prof:
                 "iterations": len(it), "batch_p50": pct(self.batch, 50), "batch_max": max(self.batch),
                 "kvguard_us_per_iter_p50": 1e6 * pct(it, 50), "kvguard_us_per_iter_p99": 1e6 * pct(it, 99),
                 "sglang_wait_us_per_iter_p50": 1e6 * pct(self.waits[self._window_start:], 50),
+                "gc_in_kvguard_us_per_iter_mean": 1e6 * sum(self.gcs[self._window_start:]) / len(it),
+                "gc_in_kvguard_us_per_iter_p99": 1e6 * pct(self.gcs[self._window_start:], 99),
                 "step_ms_p50": 1e3 * pct(self.steps[self._window_start:], 50),
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * t / c}
                                              for k, (c, t) in sorted(fn.items()) if c}})
@@ -256,6 +273,35 @@ def _profiled(profiler, hook):
     return _named(wrapper, hook, getattr(hook, "__name__", "hook"))
 
 
+def _time_alloc_wrappers(prof: _Prof) -> None:
+    """Time kvguard's wrapper on the allocator's alloc calls (SGLang's code calls it, not a hook): its own time is
+    kvguard's, the allocation it wraps is not."""
+    from kvguard.sglang.follow import PoolFollower
+
+    make = getattr(PoolFollower._alloc_wrapper, "__wrapped__", PoolFollower._alloc_wrapper)
+
+    def _alloc_wrapper(self, original):
+        calls = []  # the call in progress's allocation (SGLang's: excluded)
+        inner = make(self, lambda *a, **k: calls[-1](*a, **k))
+
+        def body(call_original, *a, **k):
+            calls.append(call_original)
+            try:
+                return inner(*a, **k)
+            finally:
+                calls.pop()
+
+        timed = prof.timed("PoolFollower.alloc_wrapper", body, around=True)
+
+        def alloc_wrapper(*a, **k):
+            return timed(original, *a, **k)
+
+        alloc_wrapper.__wrapped__ = original
+        return alloc_wrapper
+
+    PoolFollower._alloc_wrapper = _named(_alloc_wrapper, make, "_alloc_wrapper")
+
+
 def _guard_stats() -> list:
     """What each guard of this process built: batch compositions seen, bound launches, direct launches, and the
     checks its decode graphs ran (epochs counted since the capture)."""
@@ -293,7 +339,7 @@ def register_timing() -> None:
     import atexit
 
     atexit.register(prof.final)
-
+    gc.callbacks.append(prof.on_gc)
     profiler = prof.cprofile = _cprofiler()
 
     def wrap_hook(target: str, hook, hook_type):
@@ -346,6 +392,7 @@ def register_timing() -> None:
         for attr, value in list(vars(cls).items()):
             if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod, type)):
                 setattr(cls, attr, prof.timed(f"{cls.__name__}.{attr}", value))
+    _time_alloc_wrappers(prof)
     from kvguard.kernels.tag_check import BoundCheck
 
     BoundCheck.__call__ = prof.timed("BoundCheck.__call__", BoundCheck.__call__)  # the decode launch itself

@@ -9,12 +9,13 @@ changes from step to step is read from memory the graph owns or the host fills b
   batch's composition changes; ``-1`` for a padding entry, which is not checked);
 - which ring slot and stamp the check uses from a device ``epoch`` counter: the check reads it, and a
   second node (:func:`_epoch_bump_kernel`) advances it, so the host knows the epoch of every check by
-  counting them (:class:`GraphCheck`).
+  counting them (:class:`GraphCheck`). That node also writes the epoch's ``done`` cell: it runs after every
+  program of the check finished, so a ``done`` cell holding the epoch means its whole check ran.
 
 The grid is fixed at capture (``[bs, PROGRAMS]``): each program loops over its request's chunks, so one
 captured shape serves every length. Outputs, for ring slot ``s = epoch % RING``: ``verdict[s, b, k]`` (bad
 entries found by program ``k``), ``flag[s] = epoch + 1`` when anything is bad (pinned host memory),
-``done[s] = epoch + 1`` always (the host verifies it read this epoch's result, not another one), and the
+``done[s] = epoch + 1`` always, by the bump (the host verifies it read this epoch's result, not another one), and the
 write slot of a flagged request redirected to ``scratch_slot``.
 
 Per entry, the check is :func:`kvguard.kernels.tag_check.entries_bad` (per token, no quarantine): its
@@ -36,7 +37,7 @@ BLOCK = 256
 @triton.jit
 def _graph_check_kernel(
     table_ptr, table_rows_ptr, owner_ptr, n_ptr, tags_ptr, expected_ptr, out_ptr,
-    verdict_ptr, flag_ptr, done_ptr, epoch_ptr,
+    verdict_ptr, flag_ptr, epoch_ptr,
     table_stride, expected_stride, table_nrows, expected_nrows, cap, slot_limit, scratch_slot, batch_cap,
     PAGE_DIV: tl.constexpr, RING: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -62,12 +63,14 @@ def _graph_check_kernel(
     tl.store(verdict_ptr + slot * batch_cap * PROGRAMS + b * PROGRAMS + k, count)
     tl.store(flag_ptr + slot, epoch + 1, mask=count > 0)
     tl.store(out_ptr + b, (count * 0 + scratch_slot).to(out_ptr.dtype.element_ty), mask=count > 0)
-    tl.store(done_ptr + slot, epoch + 1, mask=(b == 0) & (k == 0))
 
 
 @triton.jit
-def _epoch_bump_kernel(epoch_ptr):
-    tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
+def _epoch_bump_kernel(epoch_ptr, done_ptr, RING: tl.constexpr):
+    # After the check kernel, on the same stream: every program of this epoch's check has finished.
+    epoch = tl.load(epoch_ptr)
+    tl.store(done_ptr + epoch % RING, epoch + 1)
+    tl.store(epoch_ptr, epoch + 1)
 
 
 class GraphCheck:
@@ -94,7 +97,6 @@ class GraphCheck:
         self.recaptured = False  # a capture ran the check since the last reset (its warm-ups count on the device)
         self.owner_of: object = None  # the owner rows now in ``owner`` (set_owner)
         self._owner_n = 0
-        self.events = [torch.cuda.Event() for _ in range(RING)] if pinned else None
         self.cap = min(table.shape[1], expected.shape[1] * page_div)
         self.slot_limit = tags.numel() * page_div
 
@@ -105,10 +107,10 @@ class GraphCheck:
             raise ValueError(f"graph_check: batch {batch} outside 1..{self.batch_cap} (the owner buffer's size)")
         t, e = self.table, self.expected
         _graph_check_kernel[(batch, PROGRAMS)](
-            t, table_rows, self.owner, n_entries, self.tags, e, slots, self.verdicts, self.flag, self.done, self.epoch,
+            t, table_rows, self.owner, n_entries, self.tags, e, slots, self.verdicts, self.flag, self.epoch,
             t.stride(0), e.stride(0), t.shape[0], e.shape[0], self.cap, self.slot_limit, self.scratch_slot,
             self.batch_cap, PAGE_DIV=self.page_div, RING=RING, PROGRAMS=PROGRAMS, BLOCK=BLOCK)
-        _epoch_bump_kernel[(1,)](self.epoch)
+        _epoch_bump_kernel[(1,)](self.epoch, self.done, RING=RING)
 
     def set_owner(self, rows: torch.Tensor) -> None:
         """The expectation row of each batch entry from now on (on the stream: after every check enqueued

@@ -146,7 +146,11 @@ class PoolFollower:
                 # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
                 # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two
                 # lengths on the host: no device sync.
-                pages = before[: len(before) - len(a.free_pages)]
+                taken = len(before) - len(a.free_pages)
+                if taken == 0:  # the steady decode step: no request starts a page (no tensor op)
+                    self._fresh = None
+                    return out
+                pages = before[:taken]
             else:
                 # merge_and_sort_free ran inside the call (need_sort, PD): free_pages was rebuilt.
                 pages = out[out % ps == 0] // ps

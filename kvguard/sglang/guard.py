@@ -220,12 +220,6 @@ class SGLangGuard(PoolFollower):
         self.tracker.count_check()
         return pending
 
-    def graph_replayed(self, pending: Pending) -> None:
-        """After the replay (a scheduler without copy_done waits on this event for the verdict)."""
-        ring = self._ring
-        if ring is not None and ring.use_events:
-            pending.ready = ring.record_event(self.graph.events[pending.epoch % len(self.graph.events)])
-
     def _bound(self, batch, rows_, ring, out):
         """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
         on the batch while its composition and the ring's buffers stay the same."""
@@ -290,15 +284,15 @@ class SGLangGuard(PoolFollower):
                              launch=ring.launch)
         ring.self_test(self.tracker, PADDING_ROW)
 
-    def resolve(self, pending: Pending, group=None, done=None) -> list[tuple[Any, str, bool]]:
+    def resolve(self, pending: Pending, group=None, done=None, result=None) -> list[tuple[Any, str, bool]]:
         """Read the verdict (with the sampled ids); agree across TP ranks; (req, message, stale).
 
-        ``done``: SGLang's wait for this batch's forward (its result's ``copy_done``); without one, the event
-        recorded after the check (the first time: the stream, and events from then on). The ranks' agreement is the
+        ``done``, ``result``: SGLang's wait for this batch's forward (its result's ``copy_done``) and the result
+        (:meth:`wait_forward`). The ranks' agreement is the
         verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
         all-reduce here.
         """
-        self.wait_forward(pending, done)
+        self.wait_forward(pending, done, result)
         if pending.epoch is not None:
             flagged = self.graph.flagged(pending.epoch)  # raises if this epoch's result is not in its slot
         elif pending.slot < 0:
@@ -340,18 +334,30 @@ class SGLangGuard(PoolFollower):
             out.append((req, message, bool(stale)))
         return out
 
-    def wait_forward(self, pending: Pending, done=None) -> None:
-        """Wait until the check of ``pending`` ran: SGLang's own wait for the forward's sampled ids (``done``,
-        the very wait SGLang makes next), or the event recorded after the check; the first time neither
-        exists, the stream, and events from then on."""
+    def wait_forward(self, pending: Pending, done=None, result=None) -> None:
+        """Wait until the check of ``pending`` ran, with the wait SGLang makes next anyway for the forward's
+        sampled ids:
+
+        - ``done``: the result's ``copy_done`` (the overlap scheduler's copy of the sampled ids);
+        - else the result's sampled ids still on the device (no overlap): copied to the host here, which waits
+          for the stream the forward, and the check before it, ran on. SGLang's result processing takes the
+          host tensor as it would have the device one (its ``tolist()``), so the copy and the wait are SGLang's
+          own, made a moment earlier, and kvguard records no event;
+        - else the event recorded after the check; the first time there is none, the stream, and events from
+          then on.
+        """
         if self.device.type != "cuda":
             return
         if done is not None:
             done.synchronize()
+            return
+        ids = getattr(result, "next_token_ids", None)
+        if isinstance(ids, torch.Tensor) and ids.is_cuda:
+            result.next_token_ids = ids.cpu()
         elif pending.ready is not None:
             pending.ready.synchronize()
         else:
-            self._ring.use_events = True
+            (self._ring or self._make_ring()).use_events = True
             torch.cuda.current_stream(self.device).synchronize()
 
     def stale_aborts(self, batch, group=None) -> list[tuple[Any, str, bool]]:

@@ -428,13 +428,14 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
     stale = guard.stale(batch)
+    any_stale = True in stale
     batch._kvguard_stale = stale  # this step's check (same prepare_for_decode, same requests) reuses it
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
     # The step's new pages are bumped by its record launch below (one launch for both), unless a page
     # history is kept (it notes each bump where it happens).
     guard.defer_bump = guard.tracker.history is None
     try:
-        if not any(stale):
+        if not any_stale:
             out_cache_loc = original(batch, token_per_req, *args, **kwargs)
         else:
             # NOTE: reached only by a batch prepared outside update_running_batch (mixed chunked prefill), which
@@ -450,10 +451,13 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
                 out_cache_loc = original(batch, token_per_req, *args, **kwargs)
             finally:
                 batch.req_pool_indices = rows
-        guard.record_decode(batch, out_cache_loc, stale)
+        if any_stale or guard._pending_alloc is not None or guard._fresh is not None:
+            guard.record_decode(batch, out_cache_loc, stale)
+        # else: no request starts a page this step (no page was handed out): nothing to record
     finally:
         guard.defer_bump = False
-        guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
+        if guard._pending_alloc is not None:
+            guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     return out_cache_loc
 
 
@@ -551,15 +555,15 @@ def _around_mix_with_running(original, batch, running_batch, *args, **kwargs):
 def _flagged(batch, result):
     """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it.
 
-    Read after SGLang's own wait for this batch's forward (``result.copy_done``), which the checks preceded
-    on the stream."""
+    Read after SGLang's own wait for this batch's forward (``result.copy_done``, or its sampled ids copied to
+    the host: SGLangGuard.wait_forward), which the checks preceded on the stream."""
     guard, flagged = None, []
     for name in _PENDING:
         pending = batch.__dict__.pop(name, None)
         if pending is None:
             continue
         guard = pending.guard
-        flagged += guard.resolve(pending, _attn_tp_cpu_group(), getattr(result, "copy_done", None))
+        flagged += guard.resolve(pending, _attn_tp_cpu_group(), getattr(result, "copy_done", None), result)
     if flagged:
         in_batch = {id(req) for req in batch.reqs}
         flagged = [item for item in flagged if id(item[0]) in in_batch]
@@ -708,11 +712,8 @@ def _around_graph_execute(original, runner, forward_batch, *args, **kwargs):
     guard = _guard_of_runner(runner)
     if guard is None or guard.graph is None or not forward_batch.forward_mode.is_decode():
         return original(runner, forward_batch, *args, **kwargs)
-    pending = guard.graph_step(runner, forward_batch)
-    out = original(runner, forward_batch, *args, **kwargs)
-    if pending is not None:
-        guard.graph_replayed(pending)
-    return out
+    guard.graph_step(runner, forward_batch)
+    return original(runner, forward_batch, *args, **kwargs)
 
 
 def _around_eager_execute(original, runner, forward_batch, *args, **kwargs):

@@ -282,3 +282,46 @@ def test_profiler_windows_split_runs_at_idle_gaps_and_rows_pick_their_concurrenc
     attach_host_time(result)
     assert result["rows"][0]["host_us_p50"] == pytest.approx(90) and result["rows"][0]["host_windows"] == 1
     assert result["rows"][1]["host_us_p50"] is None
+
+
+def test_profiler_times_the_alloc_wrapper_without_the_allocation_it_wraps(tmp_path, monkeypatch, make_rig):
+    import torch
+
+    from kvguard.sglang.follow import PoolFollower
+
+    monkeypatch.setattr(PoolFollower, "_alloc_wrapper", PoolFollower._alloc_wrapper)  # restored after the test
+    prof = profiler._Prof(str(tmp_path / "t.json"))
+    profiler._time_alloc_wrappers(prof)
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    alloc = rig.allocator.alloc_decode.__wrapped__  # SGLang's own, under kvguard's wrapper
+
+    def slow_alloc(*a, **k):
+        time.sleep(0.03)
+        return alloc(*a, **k)
+
+    batch = rig.prefill(16, 17)  # alloc_extend: one timed call per allocation
+    calls, seconds = prof.per_fn["PoolFollower.alloc_wrapper"]
+    assert calls >= 1 and all(req.kv.req_pool_idx is not None for req in batch.reqs)
+    wrapped = rig.guard._alloc_wrapper(slow_alloc)  # a wrapper made now is timed the same way
+    before = prof.per_fn["PoolFollower.alloc_wrapper"][1]
+    # SGLang's decode allocation of two requests at lengths 16 and 17 (each row's last slot is its last_loc)
+    lens = torch.tensor([16, 17], dtype=torch.int64)
+    last = torch.stack([rig.row(req)[int(n) - 1] for req, n in zip(batch.reqs, lens)])
+    out = wrapped(lens + 1, lens + 1, last)
+    assert out is not None and out.numel() == 2
+    own = prof.per_fn["PoolFollower.alloc_wrapper"][1] - before
+    assert 0 <= own < 0.02, own  # the 30 ms inside SGLang's allocation are not kvguard's
+
+
+def test_profiler_counts_only_collections_that_start_inside_kvguard(tmp_path):
+    prof = profiler._Prof(str(tmp_path / "t.json"))
+    prof.on_gc("start", {})
+    time.sleep(0.002)
+    prof.on_gc("stop", {})
+    assert prof.gc_acc == 0.0  # SGLang's own code was running
+    prof.active = True
+    prof.on_gc("start", {})
+    time.sleep(0.002)
+    prof.on_gc("stop", {})
+    assert prof.gc_acc >= 0.002
