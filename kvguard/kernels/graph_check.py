@@ -124,8 +124,10 @@ class GraphCheck:
         self._owner_n, self.owner_of = n, rows
 
     def clear_owner(self) -> None:
-        """No batch entry is checked from now on (a replay nothing was armed for checks nothing)."""
-        self.set_owner(self.owner[:0])
+        """No batch entry is checked from now on (a replay nothing was armed for checks nothing). Nothing is
+        enqueued when no entry is set already (the idle replays: no per-step device work)."""
+        if self._owner_n:
+            self.set_owner(self.owner[:0])
         self.owner_of = None
 
     def resync(self) -> None:

@@ -126,22 +126,23 @@ class PoolFollower:
             self._raw = {"free": _free_unfiltered, "free_page_ids": _free_unfiltered}
             a.free = lambda free_index: _free_unfiltered(self._filter(free_index, 1))
 
-    def _staged(self) -> int:
+    def _staged_of(self) -> Callable[[], int]:
+        """The allocator's count of pages staged for release (freed, not yet in free_pages), as a plain function
+        (chosen once: it runs twice per allocation)."""
         a = self.allocator
         if hasattr(a, "num_staged_pages"):
-            return int(a.num_staged_pages)
-        release = getattr(a, "release_pages", None)
-        return 0 if release is None else len(release)
+            return lambda: int(a.num_staged_pages)
+        return lambda: 0 if getattr(a, "release_pages", None) is None else len(a.release_pages)
 
     def _alloc_wrapper(self, original: Callable) -> Callable:
-        a, ps = self.allocator, self.page_size
+        a, ps, staged_now = self.allocator, self.page_size, self._staged_of()
 
         def alloc_wrapper(*args, **kwargs):
-            before, staged = a.free_pages, self._staged()
+            before, staged = a.free_pages, staged_now()
             out = original(*args, **kwargs)
             if out is None:
                 return out
-            if staged == 0 or self._staged() == staged:
+            if staged == 0 or staged_now() == staged:
                 # NOTE: every allocation path of 0.5.23 hands out a prefix of free_pages (alloc takes
                 # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
                 # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two
