@@ -3,7 +3,7 @@
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
-``--switch``: dec02h with the decode check captured into SGLang's decode graphs (overlap off at c=1 and 64,
+``--switch``: dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the decode check captured into SGLang's decode graphs (overlap off at c=1 and 64,
 on at c=1); dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
 dec02e (overlap off, 8192/1000) and dec02d/on (overlap on, 1024/1000) after the per-step launch work; then the
 December 1 runs before it, dec01d and dec01e) and writes one
@@ -18,7 +18,8 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02h", "off", "overhead_switch_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02i", "off", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02h", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02h", "on", "overhead_switch_overlap.json"),
            os.path.join(RAW, "dec02g", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02g", "on", "overhead_switch_overlap.json"),
@@ -28,7 +29,11 @@ DEFAULT = [os.path.join(RAW, "dec02h", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02h/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.3 s, 48 tok/s), "
+NOTES = {"dec02i/off": "commit 1e1a7ee; its in-engine 'off' mode still cleared the graph check's owner buffer on every "
+                       "replay (~15 us of host time per step, fixed in 95a8c70), so its ratios favour kvguard by up to "
+                       "~0.2% at c=1; c=1: the first off run was cold (TTFT 1.6 s, 60 tok/s), which the throughput "
+                       "ratio and its A/A carry; c=64: the A/A (x1.043 throughput) is larger than the figure",
+         "dec02h/off": "c=1: the first off run was the engine's first workload (cold: TTFT 2.3 s, 48 tok/s), "
                        "which the c=1 throughput ratio and its A/A carry; the ITL ratios do not",
          "dec02h/on": "c=1 only, two pairs (the device time left skipped c=64); the first off run was cold, so the "
                       "throughput and TTFT ratios are not figures; the ITL p50 ratio is",
