@@ -3,8 +3,8 @@
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
-``--switch``: dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the decode check captured into SGLang's decode graphs (overlap off at c=1 and 64,
-on at c=1); dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
+``--switch``: dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the
+decode check captured into SGLang's decode graphs (overlap off at c=1 and 64, on at c=1); dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
 dec02e (overlap off, 8192/1000) and dec02d/on (overlap on, 1024/1000) after the per-step launch work; then the
 December 1 runs before it, dec01d and dec01e) and writes one
 row per (run, overlap, concurrency) in the issue's format, each raw file's command kept beside its rows, and
