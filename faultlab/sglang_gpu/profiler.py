@@ -12,12 +12,20 @@ import os
 import sys
 import time
 
+from faultlab.sglang_gpu.pyprofile import cprofiler, named, profiled
 from faultlab.sglang_gpu.workload import pct
 
 TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
 # kvguard's methods that only wait, in SGLang's place, for what SGLang waits for next anyway (the forward's
 # sampled ids): reported on their own ("sglang_wait"), not as kvguard's host time.
 WAITS = {"SGLangGuard.wait_forward"}
+# kvguard's methods that SGLang's own code reaches outside a hook, through the wrappers kvguard puts on its pools'
+# instances (kvguard.sglang.follow: a release's tag bump, a free's filter, a row's drop, the tree's checkpoint) or
+# calls itself (the capture head hook, a PD writer's stamp): timed as calls of their own. Every other method of
+# kvguard runs inside a timed hook or alloc wrapper and is counted there; it is not wrapped (a wrapper would add
+# the profiler's own call frame to kvguard's time on every step).
+ENTRIES = {"TagTracker.on_free", "PoolFollower._filter", "TagTracker.expectation", "PoolFollower.drop",
+           "PoolFollower.adopt", "SGLangGuard.capture_head", "PoolFollower.stamp"}
 # Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time),
 # only with INNER_ENV=1: each timer adds ~1 us to the hook it is in, so a headline run goes without them.
 INNER_ENV = "KVGUARD_BENCH_INNER"
@@ -30,11 +38,6 @@ INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale", 
 # waits longer than that before the next run, so a run never spans two modes.
 SWITCH_ENV = "KVGUARD_BENCH_SWITCH"
 SWITCH_PERIOD_S = 0.5
-# Diagnosis only: a path; cProfile runs inside every CPROFILE_EVERY-th call of kvguard's prepare_for_decode
-# hook (an AFTER hook: none of SGLang's own code inside) and its stats (text) are written beside that path.
-# It slows the calls it profiles: the run's p50 host time still stands, its p99 does not.
-CPROFILE_ENV = "KVGUARD_BENCH_CPROFILE"
-CPROFILE_EVERY = 8
 
 
 # ------------------------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ class _Prof:
         self.gcs: list[float] = []  # per decode iteration, beside iters
         self._gc_start = None
         self.switch_path = os.environ.get(SWITCH_ENV) or None
-        self.cprofile = None  # CPROFILE_ENV's profiler, if any
+        self.cprofile = None  # the cProfile of faultlab.sglang_gpu.pyprofile, if any
         self._switch_on, self._switch_read = True, -1.0
 
     def kvguard_on(self) -> bool:
@@ -88,7 +91,7 @@ class _Prof:
             return self._timed_wait(name, fn)
 
         inner = name in INNER
-        if inner and os.environ.get(INNER_ENV, "0") in ("", "0"):
+        if inner and not _inner_on():
             return fn
 
         def wrapper(*a, **k):
@@ -128,7 +131,7 @@ class _Prof:
                 prof.acc += dt
                 prof.count(name, dt)
 
-        return _named(wrapper, fn, name)
+        return named(wrapper, fn, name)
 
     def on_gc(self, phase: str, info: dict) -> None:
         """``gc.callbacks``: the time of each collection that started inside kvguard's timed code."""
@@ -157,7 +160,7 @@ class _Prof:
                 prof.wait_acc += dt
                 prof.count(name, dt)
 
-        return _named(wrapper, fn, name)
+        return named(wrapper, fn, name)
 
     def mark_iteration(self, batch_size: int = 0) -> None:
         """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
@@ -223,54 +226,8 @@ class _Prof:
 _PROF: _Prof | None = None
 
 
-def _named(wrapper, fn, name: str):
-    """``wrapper`` as ``fn`` to whoever inspects it (kvguard's self-check follows ``__wrapped__``)."""
-    wrapper.__wrapped__ = fn
-    wrapper.__name__ = getattr(fn, "__name__", name)
-    wrapper.__module__ = getattr(fn, "__module__", None)
-    return wrapper
-
-
-def _cprofiler():
-    """The cProfile of CPROFILE_ENV (None without it); its stats are written at exit."""
-    path = os.environ.get(CPROFILE_ENV)
-    if not path:
-        return None
-    import atexit
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-
-    def write():
-        if not profiler.getstats():
-            return
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(60)
-        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(60)
-        with open(f"{path}.{os.getpid()}.txt", "w") as f:
-            f.write(out.getvalue())
-
-    atexit.register(write)
-    profiler.write = write  # also at each idle gap (the profiler's dump): a killed scheduler keeps its stats
-    return profiler
-
-
-def _profiled(profiler, hook):
-    calls = [0]
-
-    def wrapper(*a, **k):
-        calls[0] += 1
-        if calls[0] % CPROFILE_EVERY:
-            return hook(*a, **k)
-        profiler.enable()
-        try:
-            return hook(*a, **k)
-        finally:
-            profiler.disable()
-
-    return _named(wrapper, hook, getattr(hook, "__name__", "hook"))
+def _inner_on() -> bool:
+    return os.environ.get(INNER_ENV, "0") not in ("", "0")
 
 
 def _time_alloc_wrappers(prof: _Prof) -> None:
@@ -299,7 +256,7 @@ def _time_alloc_wrappers(prof: _Prof) -> None:
         alloc_wrapper.__wrapped__ = original
         return alloc_wrapper
 
-    PoolFollower._alloc_wrapper = _named(_alloc_wrapper, make, "_alloc_wrapper")
+    PoolFollower._alloc_wrapper = named(_alloc_wrapper, make, "_alloc_wrapper")
 
 
 def _guard_stats() -> list:
@@ -320,14 +277,34 @@ def _guard_stats() -> list:
     return out
 
 
+def _time_methods(prof: _Prof) -> list[str]:
+    """Wrap the methods of kvguard named in ENTRIES and WAITS (INNER too, with INNER_ENV): the names wrapped.
+    Raises for a name that is not a method of its class (a renamed method is never left untimed)."""
+    import importlib
+
+    wrap = ENTRIES | WAITS | (INNER if _inner_on() else set())
+    classes = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.guard",
+               "PoolFollower": "kvguard.sglang.follow", "TagTracker": "kvguard.tracker",
+               "BoundCheck": "kvguard.kernels.tag_check"}
+    done = []
+    for name in sorted(wrap):
+        cls_name, attr = name.split(".")
+        cls = getattr(importlib.import_module(classes[cls_name]), cls_name)
+        value = cls.__dict__.get(attr)
+        if not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
+            raise AttributeError(f"kvguard_bench: {name} is not a method of {cls_name}")
+        setattr(cls, attr, prof.timed(name, value))
+        done.append(name)
+    return done
+
+
 def register_timing() -> None:
     """SGLang plugin (``kvguard_bench``): time kvguard's hooks and its guard's methods in this process.
 
-    Does nothing unless ``KVGUARD_BENCH_TIMING`` names an output file. Wraps (1) every hook a module of
-    ``kvguard`` registers with SGLang's HookRegistry, whichever plugin loads first, and (2) the methods of
-    kvguard's guard and tracker classes (reached from the allocator / tree / row-pool wrappers that run
-    inside SGLang's own calls). AROUND hooks are charged only their own time, not the original's. Each
-    decode iteration is marked at the ``prepare_for_decode`` hook. The timers add ~1 us per iteration.
+    Does nothing unless ``KVGUARD_BENCH_TIMING`` names an output file. Wraps every hook a module of ``kvguard``
+    registers with SGLang's HookRegistry (whichever plugin loads first; AROUND hooks charged only their own time),
+    the allocator wrappers, and the methods of :data:`ENTRIES` and :data:`WAITS` (:data:`INNER` too with
+    ``KVGUARD_BENCH_INNER=1``). Each decode iteration is marked at the ``prepare_for_decode`` hook.
     """
     global _PROF
     path = os.environ.get(TIMING_ENV)
@@ -340,12 +317,12 @@ def register_timing() -> None:
 
     atexit.register(prof.final)
     gc.callbacks.append(prof.on_gc)
-    profiler = prof.cprofile = _cprofiler()
+    profiler = prof.cprofile = cprofiler()
 
     def wrap_hook(target: str, hook, hook_type):
         name = "hook:" + target.rsplit(".", 1)[-1]
         if profiler is not None and target.endswith(".prepare_for_decode"):
-            hook = _profiled(profiler, hook)
+            hook = profiled(profiler, hook)
         # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
         # runs in both modes (on no rows when nothing is armed), and the host must keep counting it.
         timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True,
@@ -376,24 +353,6 @@ def register_timing() -> None:
 
     HookRegistry.register = classmethod(register)
 
-    import importlib
-
-    classes = {}
-    for module, name in (("kvguard.sglang.guard", "SGLangGuard"), ("kvguard.sglang.plugin", "SGLangGuard"),
-                         ("kvguard.sglang.follow", "PoolFollower"), ("kvguard.tracker", "TagTracker"),
-                         ("kvguard.sglang.guard", "VerdictRing")):
-        try:
-            cls = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            cls = None
-        if cls is not None:
-            classes[id(cls)] = cls
-    for cls in classes.values():
-        for attr, value in list(vars(cls).items()):
-            if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod, type)):
-                setattr(cls, attr, prof.timed(f"{cls.__name__}.{attr}", value))
+    _time_methods(prof)
     _time_alloc_wrappers(prof)
-    from kvguard.kernels.tag_check import BoundCheck
-
-    BoundCheck.__call__ = prof.timed("BoundCheck.__call__", BoundCheck.__call__)  # the decode launch itself
     print(f"kvguard_bench: timing kvguard's hooks into {path}", file=sys.stderr)

@@ -325,3 +325,69 @@ def test_profiler_counts_only_collections_that_start_inside_kvguard(tmp_path):
     time.sleep(0.002)
     prof.on_gc("stop", {})
     assert prof.gc_acc >= 0.002
+
+
+def test_profiler_wraps_only_its_declared_methods_and_every_one_exists(tmp_path, monkeypatch):
+    from kvguard.sglang.follow import PoolFollower
+    from kvguard.sglang.guard import SGLangGuard
+    from kvguard.tracker import TagTracker
+
+    monkeypatch.delenv(profiler.INNER_ENV, raising=False)
+    for cls in (SGLangGuard, PoolFollower, TagTracker):  # every method put back after the test
+        for attr, value in list(vars(cls).items()):
+            if callable(value):
+                monkeypatch.setattr(cls, attr, value)
+    resolve, launch = SGLangGuard.resolve, SGLangGuard.launch
+    prof = profiler._Prof(str(tmp_path / "t.json"))
+    done = profiler._time_methods(prof)
+    assert set(done) == profiler.ENTRIES | profiler.WAITS
+    assert SGLangGuard.resolve is resolve and SGLangGuard.launch is launch  # run inside hooks: not wrapped
+    assert TagTracker.on_free.__wrapped__ is not None and PoolFollower.adopt.__wrapped__ is not None
+    monkeypatch.setattr(profiler, "ENTRIES", {"TagTracker.no_such_method"})
+    with pytest.raises(AttributeError, match="no_such_method"):
+        profiler._time_methods(prof)
+
+
+def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkeypatch, make_rig):
+    """What the profiler leaves unwrapped is counted inside a timed hook or alloc wrapper: a kvguard method that
+    SGLang's own code reaches with no kvguard hook on the stack must be one it times on its own (ENTRIES)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from kvguard.sglang import plugin
+    from kvguard.sglang.follow import PoolFollower
+    from kvguard.sglang.guard import SGLangGuard, VerdictRing
+    from kvguard.tracker import TagTracker
+
+    rig = make_rig(4, rows=8)
+    rig.install(registry=rig.registry)
+    classes = {c.__name__: c for c in (SGLangGuard, PoolFollower, TagTracker, VerdictRing)}
+    timed_codes = {fn.__code__ for fn, _ in plugin.hooks().values()} | {rig.allocator.alloc.__code__} | {
+        getattr(classes[name.split(".")[0]], name.split(".")[1]).__code__ for name in profiler.ENTRIES}
+    reached = set()
+
+    def spy(name, fn):
+        def wrapper(*a, **k):
+            frame, from_sglang = sys._getframe(1), False
+            while frame is not None and frame.f_code not in timed_codes:
+                from_sglang |= frame.f_globals.get("__name__", "").startswith("sglang")
+                frame = frame.f_back
+            if frame is None and from_sglang:
+                reached.add(name)
+            return fn(*a, **k)
+        return wrapper
+
+    for cls in classes.values():
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod)):
+                monkeypatch.setattr(cls, attr, spy(f"{cls.__name__}.{attr}", value))
+    tokens = list(range(100, 113))
+    rig.publish(tokens)  # prefill, finish into the tree (checkpoint: the tree adopts its pages)
+    batch = rig.running(9, 6)  # prefill, merge, a checked decode step
+    for _ in range(3):
+        rig.decode(batch)
+        rig.sample(batch)
+    for req in batch.reqs:
+        rig.release(req)
+    assert reached == set()  # the lifecycle above runs inside kvguard's hooks
+    rig.tree.evict(EvictParams(num_tokens=10**6))  # SGLang's scheduler evicts the tree outside any hook
+    assert reached and reached <= profiler.ENTRIES, reached - profiler.ENTRIES  # the release's bump, the free's filter

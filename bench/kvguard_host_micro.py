@@ -1,0 +1,137 @@
+"""kvguard's steady-state host work per decode step, hook by hook, on the CPU (a developer's loop, no GPU).
+
+The decode graph path as a GPU server runs it (kvguard.sglang.plugin), without the model: real SGLang 0.5.23
+pools, tree, requests and ScheduleBatch (faultlab.sglang_live.rig), SGLang's own decode allocation, and each
+of kvguard's per-step hooks called the way SGLang's HookRegistry calls it. Each hook is timed by the
+``kvguard_bench`` profiler's own timer (faultlab.sglang_gpu.profiler: an AROUND hook is charged only its own
+time). The captured check's replay is the one thing not run (there is no graph on the CPU): its result cell is
+written as the device writes it, so the verdict read takes its steady-state branch.
+
+    python bench/kvguard_host_micro.py [--batch 1,64] [--steps 2000] [--page-size 16] [--repeat 3]
+
+Prints µs per step (median over steps, and p99) for each hook and their sum, the lowest of ``--repeat`` runs
+(a shared CPU's noise only ever adds time). The H200 figures
+(``python -m faultlab.sglang_gpu overhead``) are the ones that count: this host is not that one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import types
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+class _Runner:
+    """SGLang's decode graph runner as kvguard's replay hook reads it (its model runner's allocator)."""
+
+
+def run(batch_size: int, steps: int, page_size: int) -> dict:
+    import torch
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from faultlab.sglang_gpu import profiler
+    from faultlab.sglang_live.rig import Rig, apply_check_hooks
+    from kvguard.sglang import plugin
+
+    torch.set_num_threads(1)  # no intra-op worker threads beside the one being timed (steadier figures)
+    apply_check_hooks()
+    context = 64 + steps + 2 * page_size
+    prof = profiler._Prof(os.devnull)
+    profiler._time_alloc_wrappers(prof)  # before install: the allocator's wrappers are timed as on the H200
+    rig = Rig(page_size, num_tokens=(batch_size + 1) * context + 4 * page_size, rows=batch_size + 2,
+              context=context)
+    guard = rig.install()
+    guard.warm_up()
+    batch = rig.running(*[48] * batch_size)  # prefilled (one length, as the H200 runs), one checked decode step
+    if guard.enable_graph(batch_size) is None:
+        raise SystemExit("the graph check's self-test failed on the CPU")
+    runner = _Runner()
+    runner.model_runner = types.SimpleNamespace(token_to_kv_pool_allocator=rig.allocator)
+    guard.graph_runners = {runner: True}
+    guard.defer = True
+    scheduler = types.SimpleNamespace(tree_cache=rig.tree, output_streamer=types.SimpleNamespace(stream_output=None))
+    processor = scheduler
+    alloc_original = allocation.alloc_for_decode
+    while hasattr(alloc_original, "__wrapped__"):
+        alloc_original = alloc_original.__wrapped__
+
+    timed = {
+        "update_running_batch": prof.timed("update_running_batch", plugin._around_update_running_batch, around=True),
+        "alloc_for_decode": prof.timed("alloc_for_decode", plugin._around_alloc_for_decode, around=True),
+        "prepare_for_decode": prof.timed("prepare_for_decode", plugin._after_prepare_for_decode),
+        "graph_execute": prof.timed("graph_execute", plugin._around_graph_execute, around=True),
+        "process_batch_result_decode": prof.timed("process_batch_result_decode",
+                                                  plugin._around_process_batch_result_decode, around=True),
+    }
+    names = list(timed) + ["PoolFollower.alloc_wrapper"]
+    per_step = {n: [] for n in names}
+    noop = lambda *a, **k: None  # noqa: E731  (SGLang's own code of that step: not timed, not kvguard's)
+    for step in range(steps):
+        before = {n: prof.per_fn.get(n, [0, 0.0])[1] for n in names}
+        timed["update_running_batch"](noop, scheduler, batch)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.out_cache_loc = timed["alloc_for_decode"](alloc_original, batch, 1)
+        for req in batch.reqs:
+            req.decode_batch_idx += 1
+        batch.seq_lens = batch.seq_lens + 1  # what the rest of SGLang's prepare_for_decode does
+        batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+        batch.orig_seq_lens = batch.orig_seq_lens + 1
+        timed["prepare_for_decode"](None, batch)
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(batch.reqs))
+        timed["graph_execute"](noop, runner, fb)
+        pending = batch.__dict__.get("_kvguard")
+        g = guard.graph
+        slot = pending.epoch % len(g._done_np)
+        g._done_np[slot] = pending.epoch + 1  # what the captured check's epoch node writes on the device
+        result = types.SimpleNamespace(copy_done=None, next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
+        timed["process_batch_result_decode"](noop, processor, batch, result)
+        rig.sample(batch)
+        for n in names:
+            per_step[n].append(prof.per_fn.get(n, [0, 0.0])[1] - before[n])
+    warm = steps // 10  # the first steps build the batch's cached rows
+    out = {n: (1e6 * _pct(v[warm:], 50), 1e6 * _pct(v[warm:], 99)) for n, v in per_step.items()}
+    totals = [sum(per_step[n][i] for n in names) for i in range(warm, steps)]
+    out["sum"] = (1e6 * _pct(totals, 50), 1e6 * _pct(totals, 99))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", default="1,64", help="decode batch sizes, comma separated")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args(argv)
+    try:
+        sizes = [int(x) for x in a.batch.split(",")]
+        if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1:
+            raise ValueError
+    except ValueError:
+        print("kvguard_host_micro: --batch must be positive integers, --steps >= 20, --page-size >= 1, "
+              "--repeat >= 1",
+              file=sys.stderr)
+        return 2
+    print(f"{'hook':32s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
+    results = []
+    for b in sizes:
+        runs = [run(b, a.steps, a.page_size) for _ in range(a.repeat)]
+        results.append({name: min((r[name] for r in runs), key=lambda v: v[0]) for name in runs[0]})
+    for name in results[0]:
+        print(f"{name:32s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" for r in results))
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    rc = main()
+    print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(rc)
