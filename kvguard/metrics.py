@@ -6,6 +6,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, REGISTRY
 
 from .violations import REASONS
 
+# A server's per-step checks are counted into kvguard_checks / kvguard_entries_checked in batches of this many
+# (kvguard.tracker.TagTracker.count_check), and the rest at each request's release.
+METRICS_EVERY = 64
+
 
 @dataclass(frozen=True)
 class Metrics:

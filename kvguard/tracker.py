@@ -7,7 +7,7 @@ import threading
 import torch
 from prometheus_client import CollectorRegistry
 
-from .metrics import metrics_for
+from .metrics import METRICS_EVERY, metrics_for
 from .noop import Check, NoopTracker
 from .settings import TrackerConfig
 from . import incidents, transfer
@@ -52,6 +52,7 @@ class TagTracker(NoopTracker):
         self.history: incidents.PageHistory | None = None
         self.incident_log = incidents.IncidentLog(self.config.incident_dir) if self.config.incident_dir else None
         self.checks_launched = 0
+        self._uncounted = self._uncounted_entries = 0  # count_check's checks not in the counters yet
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def attach(self, *, num_pages: int, num_rows: int, max_entries: int, device, page_size: int = 1) -> None:
@@ -288,10 +289,25 @@ class TagTracker(NoopTracker):
         return Check(verdict, rows, launch.table, table_rows, launch.entry_step, launch.page_div, launch.per_token)
 
     def count_check(self, entries: int | None = None) -> None:
-        """One check launched (``entries`` entries read): the metrics a bound launch counts itself."""
-        self.metrics.checks.inc()
+        """One per-step check launched (``entries`` entries read): the metrics a bound launch counts itself.
+
+        NOTE: counted into the Prometheus counters in batches of METRICS_EVERY and at :meth:`flush_metrics` (the
+        SGLang guard flushes at every request's release, so the counters are exact whenever no request runs): a
+        counter's inc takes a lock (and writes a file in a multiprocess registry) on the scheduler's thread.
+        """
         self.checks_launched += 1
+        self._uncounted += 1
         if entries is not None:
+            self._uncounted_entries += entries
+        if self._uncounted >= METRICS_EVERY:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        """The per-step checks :meth:`count_check` has not counted into the Prometheus counters yet, counted now."""
+        checks, entries, self._uncounted, self._uncounted_entries = self._uncounted, self._uncounted_entries, 0, 0
+        if checks:
+            self.metrics.checks.inc(checks)
+        if entries:
             self.metrics.entries.inc(entries)
 
     # -- the check ---------------------------------------------------------------------------------
@@ -393,6 +409,7 @@ class TagTracker(NoopTracker):
 
     def note_aborted(self, count: int = 1) -> None:
         """The engine aborted ``count`` requests on our verdict."""
+        self.flush_metrics()
         self.metrics.aborted.inc(count)
 
     def _explain(self, check: Check, b: int, request_id: str, bad: int) -> Violation:

@@ -236,22 +236,35 @@ def _time_alloc_wrappers(prof: _Prof) -> None:
     from kvguard.sglang.follow import PoolFollower
 
     make = getattr(PoolFollower._alloc_wrapper, "__wrapped__", PoolFollower._alloc_wrapper)
+    name = "PoolFollower.alloc_wrapper"
 
     def _alloc_wrapper(self, original):
-        calls = []  # the call in progress's allocation (SGLang's: excluded)
-        inner = make(self, lambda *a, **k: calls[-1](*a, **k))
+        inside = [0.0]  # seconds in SGLang's allocation so far (not kvguard's)
 
-        def body(call_original, *a, **k):
-            calls.append(call_original)
+        def allocation(*a, **k):
+            prof.active = False  # kvguard code it reaches (an eviction's release) is timed on its own
+            t = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+                prof.active = True
+
+        inner = make(self, allocation)
+
+        def alloc_wrapper(*a, **k):
+            if prof.active:  # inside kvguard's own timed code: counted there
+                return inner(*a, **k)
+            before = inside[0]
+            prof.active = True
+            t = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
-                calls.pop()
-
-        timed = prof.timed("PoolFollower.alloc_wrapper", body, around=True)
-
-        def alloc_wrapper(*a, **k):
-            return timed(original, *a, **k)
+                dt = time.perf_counter() - t - (inside[0] - before)
+                prof.active = False
+                prof.acc += dt
+                prof.count(name, dt)
 
         alloc_wrapper.__wrapped__ = original
         return alloc_wrapper

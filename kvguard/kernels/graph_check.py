@@ -91,7 +91,8 @@ class GraphCheck:
         self.verdicts = torch.zeros((RING, batch_cap, PROGRAMS), dtype=torch.int32, device=dev)
         self.flag = torch.zeros(RING, dtype=torch.int64, pin_memory=pinned)
         self.done = torch.zeros(RING, dtype=torch.int64, pin_memory=pinned)
-        self._flag_np, self._done_np = self.flag.numpy(), self.done.numpy()
+        # the host's view of the cells (a memoryview reads a Python int: no numpy scalar per step)
+        self._flag_np, self._done_np = memoryview(self.flag.numpy()), memoryview(self.done.numpy())
         self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
         self.host_epoch = 0  # checks enqueued (the device counter's value once they ran)
         self.recaptured = False  # a capture ran the check since the last reset (its warm-ups count on the device)
@@ -147,11 +148,11 @@ class GraphCheck:
         """After the check of ``epoch`` ran: did it find anything bad? Raises RuntimeError when the slot holds
         another epoch's result (the host's count and the device's disagree: the verdict cannot be trusted)."""
         slot = epoch % RING
-        if int(self._done_np[slot]) != epoch + 1:
+        if self._done_np[slot] != epoch + 1:
             raise RuntimeError(f"kvguard: the captured decode check's result for epoch {epoch} is missing (its ring "
-                               f"slot holds epoch {int(self._done_np[slot]) - 1}): the host's count of checks and "
+                               f"slot holds epoch {self._done_np[slot] - 1}): the host's count of checks and "
                                f"the device's disagree, and this step's verdict cannot be trusted")
-        return int(self._flag_np[slot]) == epoch + 1
+        return self._flag_np[slot] == epoch + 1
 
     def verdict(self, epoch: int, batch: int) -> torch.Tensor:
         """The per-program verdict ``[batch, PROGRAMS]`` of ``epoch`` (device)."""

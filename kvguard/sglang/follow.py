@@ -35,6 +35,7 @@ class BatchRows:
     """One batch composition's rows as kvguard recorded them (see PoolFollower.batch_rows)."""
 
     reqs: list  # the batch's request list object this was built for
+    snapshot: list  # a copy of its requests, made once (what every check of this composition names: Pending.reqs)
     n: int
     version: int  # PoolFollower.known_version at build time
     owner: torch.Tensor  # int64 [B] host, -1: not recorded
@@ -56,6 +57,7 @@ class PoolFollower:
         table = req_to_token_pool.req_to_token
         self.num_rows = table.shape[0]
         self.device = table.device
+        self.on_cuda = self.device.type == "cuda"  # (read every step: a device's .type is not a plain attribute)
         # NOTE: quarantine is off. SGLang's req_to_token is a token-level table that the attention
         # backends, the radix tree and the PD transfer all read; rewriting entries would corrupt their
         # view. A bad entry aborts its request instead, and its write slot is redirected (the check's write guard).
@@ -374,7 +376,7 @@ class PoolFollower:
         flight; the caching host allocator's pinned blocks are reused only once their copy is done.
         """
         host = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
+        if not self.on_cuda:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
@@ -404,16 +406,20 @@ class PoolFollower:
         owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in reqs], dtype=torch.int64)
         clamped = owner.clamp(min=0)
         known = (owner >= 0) & self.known[clamped]
-        device = clamped.to(self.device) if self.device.type != "cuda" else \
+        device = clamped.to(self.device) if not self.on_cuda else \
             clamped.pin_memory().to(self.device, non_blocking=True)
         all_known = bool(known.all())
         unknown = None if all_known else self.to_device((~known).tolist(), torch.bool)
-        rows = BatchRows(reqs, len(reqs), self.known_version, owner, device, known, all_known, unknown)
+        rows = BatchRows(reqs, list(reqs), len(reqs), self.known_version, owner, device, known, all_known, unknown)
         batch._kvguard_rows = rows
         return rows
 
     def stale(self, batch) -> list[bool]:
-        """Per request (host, no sync): its row was given to a newer request (SGLang's row generation).
+        """Per request (host, no sync): its row was given to a newer request (SGLang's row generation)."""
+        return self.stale_flags(batch)[0]
+
+    def stale_flags(self, batch) -> tuple[list[bool], bool]:
+        """:meth:`stale`, and whether any request is stale.
 
         NOTE: a row changes hands only through the row pool's alloc (wrapped: rows_version), so the answer is
         cached on the batch for as long as its requests and the row pool stay the same (the steady state).
@@ -432,8 +438,9 @@ class PoolFollower:
                 rows = torch.tensor([req.kv.req_pool_idx for req in reqs], dtype=torch.int64)
             now = gens[rows.long()].tolist()
             stale = [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(reqs, now)]
-        batch._kvguard_stale_of = (reqs, len(reqs), self.rows_version, self.known_version, stale)
-        return stale
+        flags = (stale, True in stale)
+        batch._kvguard_stale_of = (reqs, len(reqs), self.rows_version, self.known_version, flags)
+        return flags
 
     def _fresh_for(self, count: int) -> torch.Tensor | None:
         """The last allocation's slot tags, if it handed out exactly ``count`` pages (else None: current tags)."""

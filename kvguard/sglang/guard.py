@@ -31,13 +31,13 @@ VERDICT_RING = 8  # checks in flight at most (see VerdictRing)
 STAMP_LIMIT = 2**30  # flag stamps run 1..STAMP_LIMIT (an i32 kernel argument: one compiled variant)
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A launched check, carried on the ScheduleBatch until its result is processed."""
 
     guard: "SGLangGuard"
     check: Check | None  # None for a bound launch until a flagged step needs it (SGLangGuard.check_of)
-    reqs: list  # the Req objects, in batch order at check time
+    reqs: list  # the Req objects, in batch order at check time (never changed: a composition's checks share one)
     slot: int  # the verdict ring slot: its host flag cell and its device verdict buffer
     stamp: int  # what the check writes into its flag cell when anything is bad
     stale: list  # per request: its row now belongs to a newer owner (host-side generation check)
@@ -48,6 +48,7 @@ class Pending:
     ready: Any = None  # a CUDA event recorded after the launch (schedulers without copy_done), or None
     batch: Any = None  # armed and not launched yet: the ScheduleBatch (SGLangGuard.fire / graph_step launch it)
     epoch: int | None = None  # launched inside a decode graph replay: its epoch (kvguard.kernels.graph_check)
+    any_stale: bool = False  # any(stale)
 
 
 class SGLangGuard(PoolFollower):
@@ -99,7 +100,7 @@ class SGLangGuard(PoolFollower):
             n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         if max_entries == 0:
             return None
-        stale = self._stale_of(batch)
+        stale, any_stale = self._stale_of(batch)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
         guard = self.write_guard(batch)
@@ -107,12 +108,12 @@ class SGLangGuard(PoolFollower):
                                    table_rows=batch.req_pool_indices,
                                    verdict=ring.verdict(slot, len(batch.reqs), max_entries),
                                    flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
-        if guard is not None and any(stale):
+        if guard is not None and any_stale:
             apply_guard(guard, self.to_device(stale, torch.bool))
         agreed = None
         if device_group is not None:
             agreed = check.verdict.clone()
-            if any(stale):
+            if any_stale:
                 agreed[:, 0] += self.to_device(stale, torch.int32)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=device_group)
             host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
@@ -124,23 +125,24 @@ class SGLangGuard(PoolFollower):
         # carry none (no overlap) gets an event per check instead (VerdictRing.use_events, set by resolve).
         ready = ring.record(slot) if ring.use_events else None
         pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, None, rows_.owner_dev,
-                          batch.req_pool_indices, ready)
+                          batch.req_pool_indices, ready, any_stale=any_stale)
         batch._kvguard = pending
         return pending
 
-    def _stale_of(self, batch) -> list:
-        stale = batch.__dict__.pop("_kvguard_stale", None)  # computed by this step's alloc_for_decode
-        return stale if stale is not None and len(stale) == len(batch.reqs) else self.stale(batch)
+    def _stale_of(self, batch) -> tuple[list, bool]:
+        """The batch's (stale, any stale): computed by this step's alloc_for_decode, or now."""
+        flags = batch.__dict__.pop("_kvguard_stale", None)
+        return flags if flags is not None and len(flags[0]) == len(batch.reqs) else self.stale_flags(batch)
 
     def _arm(self, batch, rows_, out) -> Pending:
         """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
         row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
         SGLang copies the slots anywhere."""
-        stale = self._stale_of(batch)
-        if any(stale):
+        stale, any_stale = self._stale_of(batch)
+        if any_stale:
             apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
-        pending = Pending(self, None, list(batch.reqs), -1, 0, stale, rows=rows_.owner_dev,
-                          table_rows=batch.req_pool_indices, batch=batch)
+        pending = Pending(self, None, rows_.snapshot, -1, 0, stale, rows=rows_.owner_dev,
+                          table_rows=batch.req_pool_indices, batch=batch, any_stale=any_stale)
         self.armed = batch._kvguard = pending
         return pending
 
@@ -205,16 +207,17 @@ class SGLangGuard(PoolFollower):
             if pending is not None:
                 self.fire_armed(forward_batch)
             return None
-        if self.graph.recaptured:  # SGLang captured graphs while serving (a PD role switch, an elastic recapture)
-            self.graph.resync()
-        epoch = self.graph.next()
+        g = self.graph
+        if g.recaptured:  # SGLang captured graphs while serving (a PD role switch, an elastic recapture)
+            g.resync()
+        epoch = g.next()
         if pending is None or pending.batch is None or len(pending.reqs) != forward_batch.batch_size:
             # No check armed for this replay: its captured check checks nothing (an armed check that was never
             # launched is refused at its verdict).
-            self.graph.clear_owner()
+            g.clear_owner()
             return None
-        if self.graph.owner_of is not pending.rows:
-            self.graph.set_owner(pending.rows)
+        if g.owner_of is not pending.rows:
+            g.set_owner(pending.rows)
         self.armed = pending.batch = None
         pending.epoch = epoch
         self.tracker.count_check()
@@ -303,7 +306,7 @@ class SGLangGuard(PoolFollower):
         else:
             flagged = self._ring.flagged(pending.slot, pending.stamp)
         agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
-        if not flagged and not any(pending.stale) and (agreed is None and group is None or
+        if not flagged and not pending.any_stale and (agreed is None and group is None or
                                                        agreed is not None and not bool(agreed.any())):
             return []  # the steady state: nothing flagged here or on any rank
         check = self.check_of(pending)
@@ -346,7 +349,7 @@ class SGLangGuard(PoolFollower):
         - else the event recorded after the check; the first time there is none, the stream, and events from
           then on.
         """
-        if self.device.type != "cuda":
+        if not self.on_cuda:
             return
         if done is not None:
             done.synchronize()
@@ -364,8 +367,8 @@ class SGLangGuard(PoolFollower):
         """Before a decode step is prepared: (req, message, stale here) for every request whose row SGLang
         gave to another request, here or (attention TP, ``group``) on a peer rank: all ranks drop the same
         requests. A request stale only on a peer still owns its row here and is released normally."""
-        stale = self.stale(batch)
-        if group is None and not any(stale):
+        stale, any_stale = self.stale_flags(batch)
+        if group is None and not any_stale:
             return []  # the steady state (cached per batch composition and row-pool change)
         # NOTE (attention TP): a row changes hands only in the row pool's alloc, and every rank makes the same
         # allocations and the same batches (SGLang schedules alike on every rank); a bug on one rank changes
@@ -476,7 +479,7 @@ class VerdictRing:
         cuda = device.type == "cuda"
         self.host_flags = torch.zeros(VERDICT_RING, dtype=torch.int64, pin_memory=cuda)
         self.host_cells = [self.host_flags[i:i + 1] for i in range(VERDICT_RING)]
-        self._host_np = self.host_flags.numpy()
+        self._host_np = memoryview(self.host_flags.numpy())  # reads Python ints (no numpy scalar per step)
         self.device_flags = None  # set by self_test when the device cannot write pinned memory directly
         self.flag_cells = self.host_cells
         self._verdicts = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
@@ -546,7 +549,7 @@ class VerdictRing:
         return event
 
     def flagged(self, slot: int, stamp: int) -> bool:
-        return int(self._host_np[slot]) == stamp
+        return self._host_np[slot] == stamp
 
     def self_test(self, tracker, row: int) -> None:
         """At install: a check of one entry nothing was recorded for (the padding row) must flag, in the host

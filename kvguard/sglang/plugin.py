@@ -427,9 +427,9 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
         return original(batch, token_per_req, *args, **kwargs)
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
-    stale = guard.stale(batch)
-    any_stale = True in stale
-    batch._kvguard_stale = stale  # this step's check (same prepare_for_decode, same requests) reuses it
+    flags = guard.stale_flags(batch)
+    stale, any_stale = flags
+    batch._kvguard_stale = flags  # this step's check (same prepare_for_decode, same requests) reuses it
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
     # The step's new pages are bumped by its record launch below (one launch for both), unless a page
     # history is kept (it notes each bump where it happens).
@@ -465,8 +465,10 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     # NOTE: SGLang frees [cache_protected_len, owned) as named by the request's req_to_token row. For a
     # request kvguard aborted, that row is what is broken: its bad entries name other requests' pages,
     # tree pages or pages already freed. Only the pages it still legitimately holds go back.
-    guard = guard_of(tree_cache) if getattr(req, "kvguard_aborted", False) else None
-    if guard is None:
+    guard = guard_of(tree_cache)
+    if guard is not None:
+        guard.tracker.flush_metrics()  # the counters are exact whenever no request runs (TagTracker.count_check)
+    if guard is None or not getattr(req, "kvguard_aborted", False):
         return original(req, tree_cache, *args, **kwargs)
     if getattr(req, "kvguard_stale", False):
         return guard.release_stale(req, tree_cache)  # SGLang's release would free another request's row
@@ -505,7 +507,7 @@ def _around_pd_pre_alloc(original, queue, req, prefix_indices=None, prefix_len=N
 
 def _launch(batch, what: str) -> None:
     guard = _guard_of_batch(batch)
-    if guard is None or batch.is_empty():
+    if guard is None or not batch.reqs:  # (ScheduleBatch.is_empty)
         return
     batch._kvguard = None
     if not batch.spec_algorithm.is_none():

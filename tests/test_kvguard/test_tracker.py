@@ -600,3 +600,28 @@ def test_make_rank_tracker(clean_env, registry):
     assert tracker.group is group and tracker.combine and not tracker.piggyback
     # a checking tracker of another class through make_tracker's one off/check decision
     assert type(make_tracker(TrackerConfig(mode="check"), CollectorRegistry(), checking=RankTracker)) is RankTracker
+
+
+def test_per_step_checks_reach_the_counters_in_batches_and_at_flush():
+    from kvguard.metrics import METRICS_EVERY
+
+    registry = CollectorRegistry()
+    tracker = TagTracker(TrackerConfig(mode="check"), registry)
+
+    def counted():
+        return (registry.get_sample_value("kvguard_checks_total"),
+                registry.get_sample_value("kvguard_entries_checked_total"))
+
+    for _ in range(METRICS_EVERY - 1):
+        tracker.count_check(10)
+    assert counted() == (0, 0) and tracker.checks_launched == METRICS_EVERY - 1  # not on the step's path yet
+    tracker.count_check(10)
+    assert counted() == (METRICS_EVERY, 10 * METRICS_EVERY)
+    tracker.count_check(3)
+    tracker.count_check()
+    tracker.flush_metrics()
+    tracker.flush_metrics()  # nothing left: counted once
+    assert counted() == (METRICS_EVERY + 2, 10 * METRICS_EVERY + 3) and tracker.checks_launched == METRICS_EVERY + 2
+    tracker.count_check()
+    tracker.note_aborted(1)  # an abort's counters come with the checks before it
+    assert counted()[0] == METRICS_EVERY + 3

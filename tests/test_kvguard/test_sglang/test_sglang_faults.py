@@ -142,9 +142,11 @@ def test_no_host_sync_ops_in_the_clean_step_beyond_the_verdict(rig_ps):
     # the check reads every token entry the batch maps (the slot this step writes included)
     rig, ps = rig_ps, rig_ps.page_size
     batch = rig.running(3 * ps + 1, ps)
+    rig.guard.tracker.flush_metrics()
     before = rig.guard.tracker.metrics.entries._value.get()
     rig.decode(batch)
     tokens = sum(int(n) for n in batch.seq_lens_cpu.tolist())
+    rig.guard.tracker.flush_metrics()  # (counted in batches: TagTracker.count_check)
     assert rig.guard.tracker.metrics.entries._value.get() - before == tokens
     ring = rig.guard._ring  # the clean step's answer is one host cell, not a device read
     assert ring.host_flags.device.type == "cpu" and not ring.flagged(batch._kvguard.slot, batch._kvguard.stamp)

@@ -57,11 +57,13 @@ def test_build_kv_cache_hook_installs_on_that_instance_only(check_hooks, make_ri
 def test_clean_traffic_passes_and_costs_one_check_per_step(rig_ps):
     rig = rig_ps
     batch = rig.to_decode(rig.prefill(20, 33), rig.prefill(rig.page_size * 2))
+    rig.guard.tracker.flush_metrics()
     checks0 = rig.guard.tracker.metrics.checks._value.get()
     for _ in range(3 * max(rig.page_size, 4)):  # crosses page boundaries for every request
         rig.decode(batch)
         assert set(rig.verdict(batch).values()) == {0}
         rig.sample(batch)
+    rig.guard.tracker.flush_metrics()  # (counted in batches: TagTracker.count_check)
     assert rig.guard.tracker.metrics.checks._value.get() - checks0 == 3 * max(rig.page_size, 4)
     # a finished request returns everything; a new one reusing its row and pages is clean too
     done = batch.reqs[0]
@@ -88,3 +90,18 @@ def test_radix_prefix_share_and_checkpoint_are_not_false_positives(check_hooks, 
         rig.decode(batch)
         assert set(rig.verdict(batch).values()) == {0}
         rig.sample(batch)
+
+
+def test_check_counters_are_exact_once_the_requests_are_released(rig_ps):
+    rig = rig_ps
+    tracker = rig.guard.tracker
+    tracker.flush_metrics()
+    checks0, launched0 = tracker.metrics.checks._value.get(), tracker.checks_launched
+    batch = rig.running(9, 12)
+    for _ in range(5):
+        rig.decode(batch)
+        rig.sample(batch)
+    assert tracker.checks_launched - launched0 >= 6
+    for req in batch.reqs:
+        rig.release(req)  # SGLang's release_kv_cache (hooked): the counters catch up
+    assert tracker.metrics.checks._value.get() - checks0 == tracker.checks_launched - launched0
