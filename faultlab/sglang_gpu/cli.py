@@ -29,7 +29,7 @@ import sys
 from faultlab.sglang_gpu.common import RESULTS, add_common
 from faultlab.sglang_gpu.extras import cmd_extras
 from faultlab.sglang_gpu.faults import cmd_fault_engine, cmd_faults
-from faultlab.sglang_gpu.overhead import cmd_overhead
+from faultlab.sglang_gpu.overhead import MIN_WINDOW, cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
 from faultlab.sglang_live.plan import EPISODE_CLASSES
 
@@ -48,6 +48,17 @@ def _json_object(text: str) -> str:
     return text
 
 
+def _warmup_tokens(text: str) -> int:
+    """``overhead --warmup-tokens``: 0 (no warm-up run), or fewer output tokens than a measured run's window."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
+    if not 0 <= n < MIN_WINDOW:
+        raise argparse.ArgumentTypeError(f"must be 0..{MIN_WINDOW - 1} (a warm-up run is never measured), got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, option and default of the harness (the results in bench/results were made with them)."""
     ap = argparse.ArgumentParser(prog="python -m faultlab.sglang_gpu", description=__doc__.split("\n")[0])
@@ -63,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill", type=int, default=None)
     p.add_argument("--switch", action="store_true",
                    help="one engine instance; its off runs bypass kvguard's hooks (in-engine A/B, no instance spread)")
+    p.add_argument("--warmup-tokens", type=_warmup_tokens, default=8,
+                   help="before each concurrency's pairs: one unmeasured run of it with this many output tokens on "
+                        "each engine (its first prefill of that shape is not in a pair); 0: none")
     p.add_argument("--name", default="overhead.json")
     p.add_argument("--budget", type=float, default=0, help="seconds; skip A/B pairs that would not fit")
     p.add_argument("--est", default="1:9,8:10,64:44", help="concurrency:seconds per run, before one is measured")

@@ -82,6 +82,14 @@ def cmd_overhead(a) -> None:
         est_wall = parse_reps(a.est) if a.est else {}
         for c in sorted(reps):
             runs = []
+            # NOTE: the first run of an engine at a shape pays for what the shape compiles or tunes (measured: TTFT
+            # 1.6 s vs 0.1 s at 8192 in); unwarmed, the first pair's first run carried it into its ratio and A/A.
+            # The warm-up's few decode steps make a profiler window shorter than MIN_WINDOW: not a measured run.
+            for mode in ((("check",) if a.switch else ("off", "check")) if a.warmup_tokens else ()):
+                _flip(switch_path, mode)
+                w = workers[mode].run(n=c, input_len=a.input_len, output_len=a.warmup_tokens, seed=a.seed + 11,
+                                      vocab=vocab, tag=f"warmup-c{c}-{mode}")
+                log(f"c={c} warm-up {mode}: {w['wall_s']:.2f} s (ttft p99 {w['ttft_p99']:.3f} s)")
             for r in range(reps[c]):
                 # a pair must fit in what is left of --budget (estimated from this concurrency's last run)
                 est = 2.2 * (runs[-1]["wall_s"] if runs else est_wall.get(c, 0.0))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.sglang_gpu import cli, common, faults, probes, profiler, report, workers, workload
+from faultlab.sglang_gpu import cli, common, faults, overhead, probes, profiler, report, workers, workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,6 +158,11 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
     assert (over.reps, over.input_len, over.output_len, over.page_size, over.kv_dtype, over.name) == (
         "1:3,8:3,64:2", 8192, 1000, 16, None, "overhead.json")
     assert common.parse_reps(over.reps) == {1: 3, 8: 3, 64: 2}
+    assert over.warmup_tokens == 8 < overhead.MIN_WINDOW  # a warm-up run is never one of the measured windows
+    for bad in ("-1", str(overhead.MIN_WINDOW), "x"):
+        with pytest.raises(SystemExit) as exc:
+            ap.parse_args(["overhead", "--out", "x", "--warmup-tokens", bad])
+        assert exc.value.code == 2
     f = ap.parse_args(["faults", "--out", "x"])
     assert f.classes.split(",") == ["swapped_entries", "index_shift", "in_page_entry", "out_of_range_entry",
                                     "premature_free", "double_free", "stale_row", "sglang_abort"]
