@@ -16,8 +16,10 @@ The check and the abort built on it are :class:`kvguard.sglang.guard.SGLangGuard
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -133,7 +135,7 @@ class PoolFollower:
         (chosen once: it runs twice per allocation)."""
         a = self.allocator
         if hasattr(a, "num_staged_pages"):
-            return lambda: int(a.num_staged_pages)
+            return functools.partial(operator.attrgetter("num_staged_pages"), a)  # (C calls: no Python frame)
         return lambda: 0 if getattr(a, "release_pages", None) is None else len(a.release_pages)
 
     def _alloc_wrapper(self, original: Callable) -> Callable:

@@ -387,10 +387,6 @@ def _attn_tp() -> tuple:
     return groups
 
 
-def _attn_tp_cpu_group():
-    return _attn_tp()[0]
-
-
 # ------------------------------------------------------------------------------------------------
 # Hook bodies (module level so HookRegistry can name them in its logs)
 # ------------------------------------------------------------------------------------------------
@@ -559,13 +555,12 @@ def _flagged(batch, result):
 
     Read after SGLang's own wait for this batch's forward (``result.copy_done``, or its sampled ids copied to
     the host: SGLangGuard.wait_forward), which the checks preceded on the stream."""
-    guard, flagged = None, []
-    for name in _PENDING:
-        pending = batch.__dict__.pop(name, None)
+    guard, flagged, held = None, [], batch.__dict__
+    for pending in (held.pop(_PENDING[0], None), held.pop(_PENDING[1], None)):
         if pending is None:
             continue
         guard = pending.guard
-        flagged += guard.resolve(pending, _attn_tp_cpu_group(), getattr(result, "copy_done", None), result)
+        flagged += guard.resolve(pending, _attn_tp()[0], getattr(result, "copy_done", None), result)
     if flagged:
         in_batch = {id(req) for req in batch.reqs}
         flagged = [item for item in flagged if id(item[0]) in in_batch]
@@ -634,9 +629,9 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
     # released without touching the row), and SGLang's own filter_batch below drops it as finished.
     # With attention TP the ranks agree first (one small CPU all-reduce per decode step, as the verdict's),
     # or they would prepare different batches and hang.
-    guard = None if batch is None or batch.is_empty() else _guard_of_batch(batch)
+    guard = None if batch is None or not batch.reqs else _guard_of_batch(batch)  # (ScheduleBatch.is_empty)
     if guard is not None:
-        stale = guard.stale_aborts(batch, _attn_tp_cpu_group())
+        stale = guard.stale_aborts(batch, _attn_tp()[0])
         if stale:
             guard.abort(stale, tree_cache=scheduler.tree_cache, stream=scheduler.output_streamer.stream_output)
     return original(scheduler, batch, *args, **kwargs)
