@@ -3,7 +3,9 @@
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
-``--switch``: dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the
+``--switch``: dec02k (commit acb1b1d, overlap on and off at c=1, another machine) and dec02j (commit bd35b63,
+overlap off and on at c=1 and 64, c=256 at 1024/300) after the hot-path trim and with the leaner profiler and a
+warm-up run per concurrency; dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the
 decode check captured into SGLang's decode graphs (overlap off at c=1 and 64, on at c=1); dec02g after the cached-stream event (overlap off and on at 8192/1000, and c=256 at 1024/300);
 dec02e (overlap off, 8192/1000) and dec02d/on (overlap on, 1024/1000) after the per-step launch work; then the
 December 1 runs before it, dec01d and dec01e) and writes one
@@ -18,7 +20,12 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02i", "off", "overhead_switch_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02k", "off", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02k", "on", "overhead_switch_overlap.json"),
+           os.path.join(RAW, "dec02j", "off", "overhead_switch_nooverlap.json"),
+           os.path.join(RAW, "dec02j", "on", "overhead_switch_overlap.json"),
+           os.path.join(RAW, "dec02j", "b256", "overhead_switch_nooverlap_c256.json"),
+           os.path.join(RAW, "dec02i", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02h", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02h", "on", "overhead_switch_overlap.json"),
            os.path.join(RAW, "dec02g", "off", "overhead_switch_nooverlap.json"),
@@ -29,7 +36,17 @@ DEFAULT = [os.path.join(RAW, "dec02i", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02i/off": "commit 1e1a7ee; its in-engine 'off' mode still cleared the graph check's owner buffer on every "
+NOTES = {"dec02k/off": "commit acb1b1d on a second machine of the same kind, whose host ran every hook ~1.4x slower "
+                       "than dec02j's (same code but the last trim); three pairs at c=1 only; the off runs drifted by "
+                       "7% within the run (ITL p50 8.67 -> 9.29 ms), so its ratios and A/A are not figures",
+         "dec02k/on": "commit acb1b1d, the same second machine (host ~1.5x slower per hook than dec02j's); the time "
+                      "budget skipped c=64",
+         "dec02j/off": "commit bd35b63; c=1: the off runs' ITL p50 spread 8.54-8.96 ms and the check runs' "
+                       "8.46-9.21 ms, pair to pair (the host's drift), so a ratio within +-0.8% is not resolved; "
+                       "c=64: the A/A (x0.976 throughput, x1.042 ITL p50) is larger than the figures",
+         "dec02j/on": "commit bd35b63 with KVGUARD_BENCH_INNER=1 (five inner timers, ~1 us each, in its host time)",
+         "dec02j/b256": "commit bd35b63; one pair at 1024/300: its ratios are not a figure, its host time is",
+         "dec02i/off": "commit 1e1a7ee; its in-engine 'off' mode still cleared the graph check's owner buffer on every "
                        "replay (~15 us of host time per step, fixed in 95a8c70), so its ratios favour kvguard by up to "
                        "~0.2% at c=1; c=1: the first off run was cold (TTFT 1.6 s, 60 tok/s), which the throughput "
                        "ratio and its A/A carry; c=64: the A/A (x1.043 throughput) is larger than the figure",
