@@ -5,7 +5,9 @@ on another. kvguard serves a configuration only when every path it turns on is `
 is ``refused`` stops the server at start, with the reason, before SGLang launches a scheduler
 (:func:`refusal`: the launcher, exit 2; the ``ServerArgs.check_server_args`` hook for ``sglang.Engine``
 and ``launch_server``), and again at install in each scheduler, on the model it loaded (the last line of
-defence, with the uncovered-allocator check). There is no third state: nothing is served with a warning.
+defence, with the uncovered-allocator check). A path a request turns on (``per_request``: beam search) is
+refused for each such request, before any of its KV is written. There is no third state: nothing is served
+with a warning.
 
 The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and
 the coverage table in docs/sglang.md (:func:`coverage_table`, ``python -m kvguard.sglang.paths``; a test
@@ -53,6 +55,7 @@ class Path:
     why: str  # checked: what kvguard follows there; refused: what it does not follow
     evidence: str  # checked: the test through SGLang's real code that shows a fault caught there
     applies: Callable[[Facts], bool]
+    per_request: bool = False  # turned on by a request, not a server setting: refused per request, never at start
 
 
 _LIVE = "tests/test_faultlab/test_sglang_live/test_sglang_engine.py"
@@ -114,6 +117,11 @@ PATHS: tuple[Path, ...] = (
          lambda f: f.dllm),
     Path("pd_multiplexing", REFUSED, "enable_pdmux=True", "split prefill/decode streams are not followed", "",
          lambda f: f.pdmux),
+    Path("beam_search", REFUSED, "a request with sampling_params beam_width > 1 (page_size 1)",
+         "a beam group's member rows are forked and extended outside alloc_for_extend / alloc_for_decode and ride "
+         "the decode batch past its requests (append_beam_tail), none of which kvguard records; each such request "
+         "is turned away (HTTP 400) by SGLang's own beam validation before any of its KV is written",
+         "tests/test_kvguard/test_sglang/test_sglang_refusals.py", lambda f: False, per_request=True),
 )
 BY_NAME = {p.name: p for p in PATHS}
 assert len(BY_NAME) == len(PATHS)

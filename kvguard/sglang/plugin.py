@@ -38,6 +38,8 @@ target                                                             type    what 
                                                                            check (its epoch)
 ``...runner.eager_runner.EagerRunner.execute``                     AROUND  an eager decode forward: launch
                                                                            the armed decode check first
+``beam_search.coordinator.BeamCoordinator.validate_and_init``      AROUND  turn a beam-search request away
+                                                                           (a path refused per request)
 =================================================================  ======  ==================================
 
 **Fail closed.** SGLang's loader catches every ``Exception`` a plugin raises and serves on without it. An
@@ -86,6 +88,7 @@ TARGETS = {
     "init_all_cuda_graphs": f"{_SCHEDULER}.init_all_cuda_graphs",
     "graph_execute": f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     "eager_execute": f"{_SRT}.model_executor.runner.eager_runner.EagerRunner.execute",
+    "beam_validate": f"{_SRT}.beam_search.coordinator.BeamCoordinator.validate_and_init",
 }
 
 _registered_config: TrackerConfig | None = None
@@ -162,6 +165,7 @@ def hooks() -> dict[str, tuple]:
         "init_all_cuda_graphs": (_around_init_all_cuda_graphs, "AROUND"),
         "graph_execute": (_around_graph_execute, "AROUND"),
         "eager_execute": (_around_eager_execute, "AROUND"),
+        "beam_validate": (_around_beam_validate, "AROUND"),
     }
 
 
@@ -484,6 +488,20 @@ def unchecked(path: str) -> RuntimeError:
     message = f"kvguard: a {path} batch ({p.turned_on_by}) reached the scheduler, and kvguard does not check it: {p.why}"
     log.critical(message)
     return RuntimeError(message)
+
+
+def _around_beam_validate(original, coordinator, req, *args, **kwargs):
+    # NOTE: beam search is turned on per request (sampling_params.beam_width > 1), not by a server setting, so
+    # it cannot be refused at start: SGLang's own validation of each beam request (Scheduler.handle_generate_request)
+    # turns it away here, with SGLang's HTTP 400 and this message, before any of its KV is written; every other
+    # request is served as usual. Never SGLang's original: kvguard does not follow a beam group's member rows.
+    from .paths import BY_NAME
+
+    p = BY_NAME["beam_search"]
+    message = (f"kvguard: request {req.rid} refused: this server runs KVGUARD_MODE=check, and beam search "
+               f"({p.turned_on_by}) is a path kvguard does not check: {p.why}")
+    log.error(message)
+    return message
 
 
 def _around_pd_pre_alloc(original, queue, req, prefix_indices=None, prefix_len=None, total_prefix_len=None):

@@ -47,7 +47,8 @@ REFUSED_FACTS = {
 
 def test_every_path_is_checked_with_evidence_or_refused():
     assert {p.status for p in PATHS} == {CHECKED, REFUSED}
-    assert set(REFUSED_FACTS) == {p.name for p in PATHS if p.status == REFUSED}
+    assert set(REFUSED_FACTS) == {p.name for p in PATHS if p.status == REFUSED and not p.per_request}
+    assert all(p.status == REFUSED and not p.applies(Facts()) for p in PATHS if p.per_request)
     for p in PATHS:
         if p.status == CHECKED:
             test_file = p.evidence.split(" ")[0]
@@ -156,3 +157,46 @@ def test_self_check_finds_every_hook_and_names_one_sglang_skipped(check_hooks, m
     assert pkgutil.resolve_name(TARGETS["alloc_for_decode"]) is original
     problems = self_check()
     assert any(TARGETS["alloc_for_decode"] in p and "not applied" in p for p in problems), problems
+
+
+_BEAM_SCRIPT = r"""
+import json, os, sys
+os.environ["FAULTLAB_SGLANG_CPU_ROTARY"] = "1"
+def main():
+    import sglang
+    engine = sglang.Engine(model_path=sys.argv[1], device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                           page_size=1, sampling_backend="pytorch", max_total_tokens=4096,
+                           attention_backend="torch_native", dtype="float32")
+    out = {}
+    for name, params in (("beam", {"max_new_tokens": 4, "beam_width": 2, "n": 1}),
+                         ("plain", {"max_new_tokens": 4, "temperature": 0})):
+        try:
+            r = engine.generate(input_ids=list(range(100, 112)), sampling_params=params)
+            r = r[0] if isinstance(r, list) else r
+            out[name] = {"tokens": len(r.get("output_ids") or []), "finish": r["meta_info"].get("finish_reason")}
+        except BaseException as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    engine.shutdown()
+    print("RESULT " + json.dumps(out, default=str))
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(240)
+def test_a_beam_search_request_is_refused_and_the_others_served(models, tmp_path):
+    """Beam search is turned on per request: with KVGUARD_MODE=check, SGLang's own beam validation turns such a
+    request away with kvguard's reason (before any of its KV is written); a plain request on the same server is
+    served."""
+    script = tmp_path / "beam.py"
+    script.write_text(_BEAM_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), models["plain"]], env=_env("check"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=220)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-4000:]
+    got = json.loads(line[len("RESULT "):])
+    beam = json.dumps(got["beam"])
+    assert "beam search" in beam and "kvguard does not check" in beam and "append_beam_tail" in beam, got
+    assert got["beam"].get("tokens", 0) == 0, got
+    assert got["plain"].get("tokens") == 4 and "error" not in got["plain"], got
