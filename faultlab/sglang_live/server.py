@@ -86,6 +86,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it between free_port() and the bind."""
+
+
 class Server:
     """One server process; its output goes to ``<log_dir>/server.{out,err}``."""
 
@@ -107,8 +111,9 @@ class Server:
 
         while time.time() - self.started < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before /health answered:\n"
-                                   f"{self.stderr_tail()}")
+                tail = self.stderr_tail()
+                kind = PortTaken if "address already in use" in tail else RuntimeError
+                raise kind(f"server exited with {self.proc.returncode} before /health answered:\n{tail}")
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return time.time() - self.started

@@ -31,7 +31,8 @@ import time
 import pytest
 
 from faultlab.sglang_live import harness
-from faultlab.sglang_live.server import Server, free_port, launch_command, plan_entry, server_env, write_model_dir
+from faultlab.sglang_live.server import (PortTaken, Server, free_port, launch_command, plan_entry, server_env,
+                                         write_model_dir)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -180,19 +181,30 @@ def servers(tmp_path_factory):
     model = write_model_dir(str(tmp_path_factory.mktemp("model")))
     plan = [plan_entry(label, fault, SEED, WORKLOAD["n1"]) for label, fault in EPISODES]
     started = {}
+
+    def start(overlap):
+        d = tmp_path_factory.mktemp("overlap" if overlap else "no_overlap")
+        os.mkdir(d / "prom")
+        log_path, port = str(d / "inject.jsonl"), free_port()
+        env = server_env(dict(os.environ), plan, log_path, str(d / "prom"))
+        started[overlap] = (Server(launch_command(model, port, overlap=overlap), env, str(d), port), log_path)
+
     try:
         for overlap in (True, False):
-            d = tmp_path_factory.mktemp("overlap" if overlap else "no_overlap")
-            os.mkdir(d / "prom")
-            log_path, port = str(d / "inject.jsonl"), free_port()
-            env = server_env(dict(os.environ), plan, log_path, str(d / "prom"))
-            started[overlap] = (Server(launch_command(model, port, overlap=overlap), env, str(d), port), log_path)
+            start(overlap)
         ready = {}
-        for overlap, (server, _) in started.items():
-            try:
-                ready[overlap] = server.wait_ready(STARTUP_TIMEOUT)
-            except RuntimeError as err:
-                pytest.fail(f"overlap={overlap}: {err}")
+        for overlap in (True, False):
+            for attempt in range(3):
+                try:
+                    ready[overlap] = started[overlap][0].wait_ready(STARTUP_TIMEOUT)
+                    break
+                except PortTaken as err:  # free_port() to bind is a race other processes on this machine can win
+                    if attempt == 2:
+                        pytest.fail(f"overlap={overlap}: {err}")
+                    started[overlap][0].kill()  # what is left of it (its scheduler)
+                    start(overlap)  # a fresh port, log and metrics folder
+                except RuntimeError as err:
+                    pytest.fail(f"overlap={overlap}: {err}")
         yield {"model": model, "servers": started, "startup_s": ready}
     finally:
         for server, _ in started.values():
