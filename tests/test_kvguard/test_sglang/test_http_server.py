@@ -41,8 +41,9 @@ STREAMING = {"a0", "a1", "b0"}  # by request index: so that victims and others e
 EPISODES = [("clean", None), ("swap", FAULT)]
 # NOTE: wave 1's four requests arm the injector only while they decode together. Over HTTP on a loaded
 # 2-core machine (CI runs two test files at once) they reach the scheduler one by one, and with the harness's
-# 32 new tokens a0 once finished before a3 arrived ("the injector never armed"): 96 tokens keep them together.
-WORKLOAD = {**harness.WORKLOAD, "new1": 96}
+# 32 new tokens a0 once finished before a3 arrived ("the injector never armed"); with 96 it happened again
+# once (a fresh-clone CI run, no overlap): 256 tokens keep them together through a longer stagger.
+WORKLOAD = {**harness.WORKLOAD, "new1": 256}
 PAGE_SIZE = 16
 STARTUP_TIMEOUT = 300  # both servers start together: ~60 s on an idle 2-core machine
 SHUTDOWN_TIMEOUT = 30
