@@ -45,6 +45,12 @@ class Facts:
     hybrid_swa: bool = False
     hybrid_linear: bool = False
     encoder_decoder: bool = False
+    streaming_session: bool = False
+    session_radix_cache: bool = False
+    lmcache: bool = False
+    dcp_size: int = 1
+    attn_cp_size: int = 1
+    decode_kv_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,25 @@ PATHS: tuple[Path, ...] = (
          lambda f: f.dllm),
     Path("pd_multiplexing", REFUSED, "enable_pdmux=True", "split prefill/decode streams are not followed", "",
          lambda f: f.pdmux),
+    Path("streaming_session", REFUSED, "enable_streaming_session=True",
+         "a streaming session lends one KV record (row, pages, tree lock) to each of its turns, a new request each "
+         "time, and keeps or releases it on its own path; kvguard follows a row per request, not a record lent "
+         "across requests", "", lambda f: f.streaming_session),
+    Path("session_radix_cache", REFUSED, "enable_session_radix_cache=True",
+         "a session's radix subtree is opened and released by the session, outside the request releases and tree "
+         "checkpoints kvguard follows", "", lambda f: f.session_radix_cache),
+    Path("lmcache", REFUSED, "enable_lmcache=True",
+         "LMCache's radix cache stores KV out and loads it back into pages outside the tree checkpoint, so their "
+         "expectations are not recorded", "", lambda f: f.lmcache),
+    Path("decode_context_parallel", REFUSED, "dcp_size > 1",
+         "each rank holds a slice of every request's tokens, so a req_to_token entry does not name a page this "
+         "rank's pools hold", "", lambda f: f.dcp_size > 1),
+    Path("attention_context_parallel", REFUSED, "attn_cp_size > 1",
+         "a prefill split across context-parallel ranks writes KV through per-rank metadata kvguard does not read",
+         "", lambda f: f.attn_cp_size > 1),
+    Path("pd_decode_kv_offload", REFUSED, "disaggregation_decode_enable_offload_kvcache=True",
+         "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
+         lambda f: f.decode_kv_offload),
     Path("beam_search", REFUSED, "a request with sampling_params beam_width > 1 (page_size 1)",
          "a beam group's member rows are forked and extended outside alloc_for_extend / alloc_for_decode and ride "
          "the decode batch past its requests (append_beam_tail), none of which kvguard records; each such request "
@@ -179,6 +204,12 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         hybrid_linear=bool(getattr(mc, "hybrid_linear_attn_config", None) or getattr(mc, "mamba2_config", None))
         if mc is not None else False,
         encoder_decoder=bool(getattr(mc, "is_encoder_decoder", False)) if mc is not None else False,
+        streaming_session=bool(_get(server_args, "enable_streaming_session", False)),
+        session_radix_cache=bool(_get(server_args, "enable_session_radix_cache", False)),
+        lmcache=bool(_get(server_args, "enable_lmcache", False)),
+        dcp_size=int(_get(server_args, "dcp_size", 1)),
+        attn_cp_size=int(_get(server_args, "attn_cp_size", 1)),
+        decode_kv_offload=bool(_get(server_args, "disaggregation_decode_enable_offload_kvcache", False)),
     )
 
 

@@ -26,8 +26,8 @@ from kvguard.sglang.paths import BY_NAME, CHECKED, PATHS, REFUSED, Facts, active
 ROOT = Path(__file__).resolve().parents[3]
 
 # A Facts for each refused path, and the Engine arguments that turn it on (None: not startable on this CPU:
-# HiSparse needs a DSA model, DP attention several ranks, the rest a model of that kind: their Facts are
-# checked here, and their schedulers refuse at install).
+# HiSparse needs a DSA model, DP attention several ranks, PD decode's KV offload a HiCache storage backend, the
+# rest a model of that kind: their Facts are checked here, and their schedulers refuse at install).
 REFUSED_FACTS = {
     "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode"), {"disaggregation_mode": "decode"}),
     "pd_prefill": (Facts(disaggregation_mode="prefill"), {"disaggregation_mode": "prefill"}),
@@ -42,6 +42,13 @@ REFUSED_FACTS = {
     "dllm": (Facts(dllm=True), None),
     "pd_multiplexing": (Facts(pdmux=True), {"enable_pdmux": True, "chunked_prefill_size": -1,
                                             "disable_overlap_schedule": True}),
+    "streaming_session": (Facts(streaming_session=True), {"enable_streaming_session": True}),
+    "session_radix_cache": (Facts(session_radix_cache=True), {"enable_session_radix_cache": True}),
+    "lmcache": (Facts(lmcache=True), {"enable_lmcache": True}),
+    "decode_context_parallel": (Facts(dcp_size=2), {"dcp_size": 2, "tp_size": 2}),
+    "attention_context_parallel": (Facts(attn_cp_size=2), {"attn_cp_size": 2, "tp_size": 2}),
+    "pd_decode_kv_offload": (Facts(disaggregation_mode="decode", transfer_backend="fake", decode_kv_offload=True),
+                             None),  # SGLang needs a HiCache storage backend for it
 }
 
 
