@@ -29,7 +29,7 @@ ENTRIES = {"TagTracker.on_free", "PoolFollower._filter", "TagTracker.expectation
 # Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time),
 # only with INNER_ENV=1: each timer adds ~1 us to the hook it is in, so a headline run goes without them.
 INNER_ENV = "KVGUARD_BENCH_INNER"
-INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale", "SGLangGuard._bound",
+INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_flags", "SGLangGuard._bound",
          "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts",
          "BoundCheck.__call__", "VerdictRing.next"}
 # A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
@@ -126,10 +126,8 @@ class _Prof:
                     return fn(call_original, *a[1:], **k)
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t - sub[0] - (prof.wait_total - waited)
                 prof.active = False
-                prof.acc += dt
-                prof.count(name, dt)
+                prof.charge(name, time.perf_counter() - t - sub[0] - (prof.wait_total - waited))
 
         return named(wrapper, fn, name)
 
@@ -140,6 +138,11 @@ class _Prof:
         elif self._gc_start is not None:
             self.gc_acc += time.perf_counter() - self._gc_start
             self._gc_start = None
+
+    def charge(self, name: str, seconds: float) -> None:
+        """``seconds`` of kvguard's own host time in ``name``: counted to it and to this decode iteration."""
+        self.acc += seconds
+        self.count(name, seconds)
 
     def count(self, name: str, seconds: float) -> None:
         rec = self.per_fn.setdefault(name, [0, 0.0])
@@ -261,10 +264,8 @@ def _time_alloc_wrappers(prof: _Prof) -> None:
             try:
                 return inner(*a, **k)
             finally:
-                dt = time.perf_counter() - t - (inside[0] - before)
                 prof.active = False
-                prof.acc += dt
-                prof.count(name, dt)
+                prof.charge(name, time.perf_counter() - t - (inside[0] - before))
 
         alloc_wrapper.__wrapped__ = original
         return alloc_wrapper
