@@ -59,6 +59,17 @@ def _warmup_tokens(text: str) -> int:
     return n
 
 
+def _block(text: str) -> int:
+    """``overhead --interleave``: decode steps per block, at least 2 (a block's first step is left out)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be 2 or more (a block's first step is left out), got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, option and default of the harness (the results in bench/results were made with them)."""
     ap = argparse.ArgumentParser(prog="python -m faultlab.sglang_gpu", description=__doc__.split("\n")[0])
@@ -72,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-output", type=int, default=64, help="first batch after start: output tokens")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--chunked-prefill", type=int, default=None)
-    p.add_argument("--switch", action="store_true",
-                   help="one engine instance; its off runs bypass kvguard's hooks (in-engine A/B, no instance spread)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--switch", action="store_true",
+                      help="one engine instance; its off runs bypass kvguard's hooks (in-engine A/B, no instance spread)")
+    mode.add_argument("--interleave", type=_block, default=0, metavar="B",
+                      help="one engine instance; in each run the per-step check is on and off in alternate blocks of B "
+                           "decode steps, in a seeded random order (--reps: runs per concurrency)")
     p.add_argument("--warmup-tokens", type=_warmup_tokens, default=8,
                    help="before each concurrency's pairs: one unmeasured run of it with this many output tokens on "
                         "each engine (its first prefill of that shape is not in a pair); 0: none")

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from faultlab.sglang_gpu import interleave
 from faultlab.sglang_gpu.pyprofile import cprofiler, named, profiled
 from faultlab.sglang_gpu.workload import pct
 
@@ -38,6 +39,7 @@ INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_fl
 # waits longer than that before the next run, so a run never spans two modes.
 SWITCH_ENV = "KVGUARD_BENCH_SWITCH"
 SWITCH_PERIOD_S = 0.5
+IDLE_S = 0.5  # a gap between decode iterations longer than this is idle: it ends a window (one run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,9 +70,17 @@ class _Prof:
         self.switch_path = os.environ.get(SWITCH_ENV) or None
         self.cprofile = None  # the cProfile of faultlab.sglang_gpu.pyprofile, if any
         self._switch_on, self._switch_read = True, -1.0
+        # overhead --interleave: the check on and off in alternate blocks of decode iterations (interleave.Schedule)
+        spec = interleave.parse(os.environ.get(interleave.INTERLEAVE_ENV))
+        self.schedule = interleave.Schedule(*spec) if spec else None
+        self.labels: list[int] = []  # per decode iteration, beside iters: ON, OFF or SKIP (interleave only)
+        self.blocks: list[int] = []  # per decode iteration: its block's number
+        self._label = self._block = None  # the current iteration's
 
     def kvguard_on(self) -> bool:
         """The in-engine switch (SWITCH_ENV): True unless its file says "off" (always True without it)."""
+        if self.schedule is not None:
+            return self.schedule.mode == interleave.ON
         if self.switch_path is None:
             return True
         now = time.perf_counter()
@@ -83,9 +93,10 @@ class _Prof:
                 self._switch_on = True
         return self._switch_on
 
-    def timed(self, name: str, fn, around: bool = False, hook: bool = False, always: bool = False):
-        """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off"; ``always``: one it runs
-        then too, untimed (bookkeeping that must go on in both modes)."""
+    def timed(self, name: str, fn, around: bool = False, hook: bool = False, always: bool = False, off=None):
+        """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off", after calling ``off``
+        (if given) with its arguments; ``always``: one it runs then too, timed (bookkeeping that must go on in both
+        modes)."""
         prof = self
         if name in WAITS:
             return self._timed_wait(name, fn)
@@ -103,9 +114,9 @@ class _Prof:
                     return fn(*a, **k)
                 finally:  # a part of a hook's time, reported beside it (not added again)
                     prof.count("inner:" + name, time.perf_counter() - t)
-            if hook and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
-                if always:
-                    return fn(*a, **k)
+            if hook and not always and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
+                if off is not None:
+                    off(*a, **k)
                 return a[0](*a[1:], **k) if around else None
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
 
@@ -166,10 +177,13 @@ class _Prof:
         return named(wrapper, fn, name)
 
     def mark_iteration(self, batch_size: int = 0) -> None:
-        """One decode iteration (the prepare_for_decode hook). Gaps over 0.5 s (idle) are not counted."""
+        """One decode iteration (the prepare_for_decode hook). Gaps over IDLE_S (idle) are not counted."""
         now = time.perf_counter()
-        idle = self.last_mark is None or now - self.last_mark > 0.5
+        idle = self.last_mark is None or now - self.last_mark > IDLE_S
         if not idle:
+            if self.schedule is not None:
+                self.labels.append(self._label)
+                self.blocks.append(self._block)
             self.iters.append(self.acc)
             self.waits.append(self.wait_acc)
             self.gcs.append(self.gc_acc)
@@ -182,9 +196,13 @@ class _Prof:
             self.dump()
         self.acc, self.wait_acc, self.gc_acc, self.last_mark = 0.0, 0.0, 0.0, now
         self.total_iters += 1
+        if self.schedule is not None:  # the mode of the iteration that starts now
+            self._label, self._block = self.schedule.step(), self.schedule.index
 
     def _close_window(self) -> None:
-        it = self.iters[self._window_start:]
+        it, w0, extra = self.iters[self._window_start:], self._window_start, {}
+        if self.schedule is not None and it:  # kvguard's host time is the on iterations'; every iteration kept
+            it, extra = interleave.window(self.labels[w0:], self.blocks[w0:], self.batch, self.steps[w0:], it)
         if it:
             fn = {k: [c - self._fn_start.get(k, [0, 0.0])[0], t - self._fn_start.get(k, [0, 0.0])[1]]
                   for k, (c, t) in self.per_fn.items()}
@@ -196,7 +214,7 @@ class _Prof:
                 "gc_in_kvguard_us_per_iter_p99": 1e6 * pct(self.gcs[self._window_start:], 99),
                 "step_ms_p50": 1e3 * pct(self.steps[self._window_start:], 50),
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * t / c}
-                                             for k, (c, t) in sorted(fn.items()) if c}})
+                                             for k, (c, t) in sorted(fn.items()) if c}, **extra})
         self._window_start = len(self.iters)
         self.batch = []
         self._fn_start = {k: list(v) for k, v in self.per_fn.items()}
@@ -339,11 +357,15 @@ def register_timing() -> None:
             hook = profiled(profiler, hook)
         # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
         # runs in both modes (on no rows when nothing is armed), and the host must keep counting it.
-        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True,
-                           always=target.endswith("DecodeCudaGraphRunner.execute"))
+        if prof.schedule is not None:  # interleave: only the per-step check is off in an off iteration
+            always = not target.endswith(interleave.CHECK_HOOKS)
+        else:
+            always = target.endswith("DecodeCudaGraphRunner.execute")
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True, always=always,
+                           off=interleave.drop_check if target.endswith(".prepare_for_decode") else None)
         if target.endswith(".prepare_for_decode"):
             def marked(*a, **k):
-                if prof.kvguard_on():  # an "off" run of the in-engine switch is not kvguard's iteration
+                if prof.schedule is not None or prof.kvguard_on():  # an "off" run of the switch is not an iteration
                     prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
                 return timed(*a, **k)
             marked.__module__ = timed.__module__

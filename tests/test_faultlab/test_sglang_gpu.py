@@ -396,3 +396,74 @@ def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkey
     assert reached == set()  # the lifecycle above runs inside kvguard's hooks
     rig.tree.evict(EvictParams(num_tokens=10**6))  # SGLang's scheduler evicts the tree outside any hook
     assert reached and reached <= profiler.ENTRIES, reached - profiler.ENTRIES  # the release's bump, the free's filter
+
+
+def test_interleave_schedule_pairs_each_on_block_with_an_off_block_in_a_seeded_order():
+    from faultlab.sglang_gpu import interleave
+
+    def trace(seed, n=4 * 200):
+        s = interleave.Schedule(4, seed)
+        return [(s.step(), s.mode, s.index) for _ in range(n)]
+
+    t = trace(3)
+    assert t == trace(3) and t != trace(4)
+    assert [label for label, _, _ in t[::4]] == [interleave.SKIP] * 200  # a block's first step is left out
+    modes = [mode for _, mode, _ in t[::4]]
+    assert all(sorted(modes[i:i + 2]) == [interleave.OFF, interleave.ON] for i in range(0, 200, 2))
+    assert 30 < sum(modes[0::2]) < 70  # which comes first in a pair is drawn, not fixed
+    assert all(label in (interleave.SKIP, mode) for label, mode, _ in t)
+    with pytest.raises(ValueError, match="at least 2"):
+        interleave.parse("1:0")
+    assert interleave.parse("8:5") == (8, 5) and interleave.parse("") is None
+
+
+def test_interleave_compare_recovers_a_known_step_difference_and_a_flat_aa():
+    """Steps of the on mode 0.4% longer than the off mode's, on a drift of 5% across the run: the ratios
+    show the 0.4%, the A/A shows neither, and steps of another batch size are left out."""
+    import random
+
+    from faultlab.sglang_gpu import interleave
+
+    rng, s = random.Random(0), interleave.Schedule(8, 1)
+    rec = {k: [] for k in ("labels", "blocks", "steps_s", "host_us", "batch")}
+    for i in range(8 * 400):
+        label = s.step()
+        base = 0.0085 * (1 + 0.05 * i / 3200) * (1 + 0.002 * rng.gauss(0, 1))
+        step = base * (1.004 if s.mode == interleave.ON else 1.0)
+        bs = 64 if i < 3100 else 3  # the run's ramp down
+        for k, v in zip(rec, (label, s.index, step, 40.0 if s.mode == interleave.ON else 5.0, bs)):
+            rec[k].append(v)
+    out = interleave.compare([{"interleave": rec}], 64)
+    assert out["n_on"] + out["n_off"] == sum(1 for b, lab in zip(rec["batch"], rec["labels"])
+                                             if b == 64 and lab != interleave.SKIP)
+    assert out["itl_p50_ratio"] == pytest.approx(1.004, abs=0.0015)
+    assert 1 / out["throughput_ratio"] == pytest.approx(1.004, abs=0.0015)
+    assert out["aa_itl_p50_ratio"] == pytest.approx(1.0, abs=0.0015)
+    assert (out["host_us_p50"], out["host_off_us_p50"]) == (40.0, 5.0)
+    assert interleave.compare([{"interleave": rec}], 1) == {"n_on": 0, "n_off": 0}
+
+
+def test_profiler_interleave_turns_only_the_check_hooks_off_and_labels_every_iteration(tmp_path, monkeypatch):
+    from faultlab.sglang_gpu import interleave
+
+    monkeypatch.setenv(interleave.INTERLEAVE_ENV, "3:2")
+    prof = profiler._Prof(str(tmp_path / "t.json"))
+    ran, dropped = [], []
+    check = prof.timed("hook:update_running_batch", lambda orig, b: (ran.append("check"), orig(b))[1],
+                       around=True, hook=True, always=False, off=lambda orig, b: dropped.append(b))
+    keep = prof.timed("hook:alloc_for_decode", lambda orig, b: (ran.append("keep"), orig(b))[1],
+                      around=True, hook=True, always=True)
+    modes = []
+    for i in range(30):
+        prof.mark_iteration(2)
+        modes.append(prof.kvguard_on())
+        ran.clear()
+        assert check(lambda b: b + 1, i) == i + 1 and keep(lambda b: b, i) == i  # SGLang's code runs in both
+        assert ran == (["check", "keep"] if modes[-1] else ["keep"])
+        assert (i in dropped) == (not modes[-1])
+    assert True in modes and False in modes
+    prof.final()
+    w = json.loads((tmp_path / "t.json").read_text())["windows"][-1]["interleave"]
+    assert len(w["labels"]) == 29 and set(w["labels"]) == {interleave.ON, interleave.OFF, interleave.SKIP}
+    # iteration k (closed by mark k + 1) is labelled with the mode it ran in
+    assert all(lab in (interleave.SKIP, int(m)) for lab, m in zip(w["labels"], modes))
