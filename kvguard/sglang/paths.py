@@ -51,6 +51,9 @@ class Facts:
     dcp_size: int = 1
     attn_cp_size: int = 1
     decode_kv_offload: bool = False
+    flexkv: bool = False
+    radix_cache_backend: str | None = None
+    external_cache_linker: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ PATHS: tuple[Path, ...] = (
          lambda f: f.hybrid_swa),
     Path("hybrid_linear_attention", REFUSED, "a hybrid linear-attention / mamba model",
          "mamba state slots are not followed", "", lambda f: f.hybrid_linear),
-    Path("dp_attention", REFUSED, "enable_dp_attention=True",
+    Path("dp_attention", REFUSED, "attn_dp_size > 1 (or the deprecated dp_size > 1 with enable_dp_attention=True)",
          "per-DP-rank batches and their agreement are not followed", "", lambda f: f.dp_attention),
     Path("pipeline_parallel", REFUSED, "pp_size > 1", "micro-batches across stages are not followed", "",
          lambda f: f.pp_size > 1),
@@ -142,6 +145,21 @@ PATHS: tuple[Path, ...] = (
     Path("pd_decode_kv_offload", REFUSED, "disaggregation_decode_enable_offload_kvcache=True",
          "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
          lambda f: f.decode_kv_offload),
+    Path("flexkv", REFUSED, "enable_flexkv=True",
+         "FlexKVRadixCache allocates slots in match_prefix / init_load_back, loads FlexKV's stored KV into them and "
+         "hangs them on the tree as a new node, outside the tree checkpoint, so their expectations are not recorded",
+         "",
+         lambda f: f.flexkv),
+    Path("radix_cache_backend", REFUSED, "radix_cache_backend set (flexkv, or a tree registered with "
+         "register_radix_cache_backend)",
+         "a tree cache built by a registered factory instead of SGLang's default chain: kvguard follows the "
+         "checkpoint of the trees it knows, not what a plug-in tree allocates, loads or frees", "",
+         lambda f: f.radix_cache_backend is not None),
+    Path("unified_cache_external_linker", REFUSED, "enable_unified_cache_external_linker=True",
+         "the external linker (UnifiedCacheLinkerWrapper.load_back) loads KV from an external store (mooncake, mori) "
+         "into device slots it gives the request as prefix, outside alloc_for_extend and the tree checkpoint, so "
+         "their expectations are not recorded", "",
+         lambda f: f.external_cache_linker),
     Path("beam_search", REFUSED, "a request with sampling_params beam_width > 1 (page_size 1)",
          "a beam group's member rows are forked and extended outside alloc_for_extend / alloc_for_decode and ride "
          "the decode batch past its requests (append_beam_tail), none of which kvguard records; each such request "
@@ -192,7 +210,10 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         hisparse=bool(_get(server_args, "enable_hisparse", False)),
         pp_size=int(_get(server_args, "pp_size", 1)),
         tp_size=int(_get(server_args, "tp_size", 1)),
-        dp_attention=bool(_get(server_args, "enable_dp_attention", False)),
+        # attn_dp_size > 1 is attention DP (--attn-dp-size N, and what SGLang resolves the deprecated
+        # --dp-size N --enable-dp-attention into: it sets enable_dp_attention back to False then).
+        dp_attention=bool(_get(server_args, "enable_dp_attention", False))
+        or int(_get(server_args, "attn_dp_size", 1)) > 1,
         dllm=_get(server_args, "dllm_algorithm") is not None,
         pdmux=bool(_get(server_args, "enable_pdmux", False)),
         overlap=not bool(_get(server_args, "disable_overlap_schedule", False)),
@@ -210,6 +231,10 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         dcp_size=int(_get(server_args, "dcp_size", 1)),
         attn_cp_size=int(_get(server_args, "attn_cp_size", 1)),
         decode_kv_offload=bool(_get(server_args, "disaggregation_decode_enable_offload_kvcache", False)),
+        flexkv=bool(_get(server_args, "enable_flexkv", False)),
+        radix_cache_backend=None if _get(server_args, "radix_cache_backend") in (None, "")
+        else str(_get(server_args, "radix_cache_backend")),
+        external_cache_linker=bool(_get(server_args, "enable_unified_cache_external_linker", False)),
     )
 
 

@@ -26,7 +26,7 @@ from kvguard.sglang.paths import BY_NAME, CHECKED, PATHS, REFUSED, Facts, active
 ROOT = Path(__file__).resolve().parents[3]
 
 # A Facts for each refused path, and the Engine arguments that turn it on (None: not startable on this CPU:
-# HiSparse needs a DSA model, DP attention several ranks, PD decode's KV offload a HiCache storage backend, the
+# HiSparse needs a DSA model, PD decode's KV offload a HiCache storage backend, the
 # rest a model of that kind: their Facts are checked here, and their schedulers refuse at install).
 REFUSED_FACTS = {
     "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode"), {"disaggregation_mode": "decode"}),
@@ -36,7 +36,7 @@ REFUSED_FACTS = {
     "hisparse": (Facts(hisparse=True), None),
     "sliding_window": (Facts(hybrid_swa=True), "swa_model"),
     "hybrid_linear_attention": (Facts(hybrid_linear=True), None),
-    "dp_attention": (Facts(dp_attention=True), None),
+    "dp_attention": (Facts(dp_attention=True), {"attn_dp_size": 2, "tp_size": 2}),
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
     "dllm": (Facts(dllm=True), None),
@@ -49,6 +49,10 @@ REFUSED_FACTS = {
     "attention_context_parallel": (Facts(attn_cp_size=2), {"attn_cp_size": 2, "tp_size": 2}),
     "pd_decode_kv_offload": (Facts(disaggregation_mode="decode", transfer_backend="fake", decode_kv_offload=True),
                              None),  # SGLang needs a HiCache storage backend for it
+    "flexkv": (Facts(flexkv=True), {"enable_flexkv": True}),
+    "radix_cache_backend": (Facts(radix_cache_backend="flexkv"), {"radix_cache_backend": "flexkv"}),
+    "unified_cache_external_linker": (Facts(external_cache_linker=True),
+                                      {"enable_unified_cache_external_linker": True}),
 }
 
 
@@ -138,6 +142,41 @@ def test_engine_refuses_each_refused_path_before_a_scheduler_starts(models, tmp_
         assert got.get("type") == "KVGuardRefused", f"{name}: {got}"
         assert name in got["message"] and BY_NAME[name].why in got["message"]
     assert len(cases) >= 7
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    from faultlab.sglang_live.harness import write_model
+
+    return write_model(str(tmp_path_factory.mktemp("facts_model") / "plain"))
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name, extra", [
+    ("dp_attention", {"attn_dp_size": 2, "tp_size": 2}),
+    ("dp_attention", {"dp_size": 2, "enable_dp_attention": True, "tp_size": 2}),  # the deprecated spelling
+    ("flexkv", {"enable_flexkv": True}),
+    ("radix_cache_backend", {"radix_cache_backend": "flexkv"}),
+    ("unified_cache_external_linker", {"enable_unified_cache_external_linker": True}),
+])
+def test_facts_of_a_real_server_args_turns_on_the_refused_path(plain_model, name, extra):
+    """From SGLang's own ServerArgs, raw and resolved (what kvguard reads at check_server_args and at install):
+    SGLang resolves ``--dp-size N --enable-dp-attention`` into ``attn_dp_size=N`` with enable_dp_attention set
+    back to False, so attention DP is read from attn_dp_size."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    from kvguard.sglang.paths import facts_of
+
+    args = ServerArgs(model_path=plain_model, device="cpu", load_format="dummy", skip_tokenizer_init=True, **extra)
+    views = [args]
+    args.resolve_once()
+    views.append(resolving_view(args))
+    for view in views:
+        message = refusal(facts_of(view))
+        assert message is not None and name in message and BY_NAME[name].why in message, (extra, message)
+    assert refusal(facts_of(resolving_view(ServerArgs(model_path=plain_model, device="cpu", load_format="dummy",
+                                                         skip_tokenizer_init=True, tp_size=2)))) is None
 
 
 @pytest.mark.sglang
