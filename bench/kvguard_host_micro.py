@@ -67,7 +67,6 @@ def run(batch_size: int, steps: int, page_size: int) -> dict:
     timed = {
         "update_running_batch": prof.timed("update_running_batch", plugin._around_update_running_batch, around=True),
         "alloc_for_decode": prof.timed("alloc_for_decode", plugin._around_alloc_for_decode, around=True),
-        "prepare_for_decode": prof.timed("prepare_for_decode", plugin._after_prepare_for_decode),
         "graph_execute": prof.timed("graph_execute", plugin._around_graph_execute, around=True),
         "process_batch_result_decode": prof.timed("process_batch_result_decode",
                                                   plugin._around_process_batch_result_decode, around=True),
@@ -85,7 +84,6 @@ def run(batch_size: int, steps: int, page_size: int) -> dict:
         batch.seq_lens = batch.seq_lens + 1  # what the rest of SGLang's prepare_for_decode does
         batch.seq_lens_cpu = batch.seq_lens_cpu + 1
         batch.orig_seq_lens = batch.orig_seq_lens + 1
-        timed["prepare_for_decode"](None, batch)
         fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(batch.reqs))
         timed["graph_execute"](noop, runner, fb)
         pending = batch.__dict__.get("_kvguard")

@@ -11,15 +11,17 @@ page every ``page_size`` steps) or of anything else periodic. The first step of 
 overlap scheduler's in-flight batch straddles the switch).
 
 What the "off" steps leave out is kvguard's per-step check: the stale-row test (``update_running_batch``), the
-arming of the check (``prepare_for_decode``) and the verdict's read (``process_batch_result_decode``); see
+arming of the check (the ``alloc_for_decode`` hook runs only its bookkeeping half,
+``kvguard.sglang.plugin.record_alloc_for_decode``) and the verdict's read (``process_batch_result_decode``); see
 :data:`CHECK_HOOKS`. Everything that keeps kvguard's record of the pages true goes on in both modes, since
 requests live across the switch: the allocation records and tag bumps, the extend hooks, the graph replay's epoch
 count (its captured check then checks no rows). Its host time is measured in both modes, so the off steps' host
 time is what the ratios do not contain.
 
 An "iteration" is the profiler's (:mod:`faultlab.sglang_gpu.profiler`): from one decode step's
-``prepare_for_decode`` hook to the next; with every request in the batch decoding, its length is the batch's
-inter-token latency, and its inverse the batch's throughput.
+``alloc_for_decode`` hook to the next; with every request in the batch decoding, its length is the batch's
+inter-token latency, and its inverse the batch's throughput. The first iteration of each run (it holds the run's
+start) and of each block are left out.
 
 Stdlib only: imported by the profiler in every scheduler process.
 """
@@ -32,8 +34,7 @@ from faultlab.sglang_gpu.workload import pct
 
 INTERLEAVE_ENV = "KVGUARD_BENCH_INTERLEAVE"  # "B:SEED": block length in decode iterations, schedule seed
 # kvguard's hooks an "off" step passes straight to SGLang (the per-step check); all others run in both modes
-CHECK_HOOKS = ("Scheduler.update_running_batch", "ScheduleBatch.prepare_for_decode",
-               "process_batch_result_decode")
+CHECK_HOOKS = ("Scheduler.update_running_batch", ".alloc_for_decode", "process_batch_result_decode")
 ON, OFF, SKIP = 1, 0, -1  # an iteration's label: check on, check off, left out (a block's first step)
 
 
@@ -70,12 +71,6 @@ class Schedule:
         return self.mode
 
 
-def drop_check(result, batch, *a, **k) -> None:
-    """An off iteration's ``prepare_for_decode`` (kvguard's hook passed by): the batch carries no check, not even
-    one an earlier step left on it (the overlap scheduler copies it to the batch it runs)."""
-    batch.__dict__.pop("_kvguard", None)
-
-
 def window(labels: list, blocks: list, batch: list, steps: list, host_s: list) -> tuple[list, dict]:
     """One run's iterations as the profiler keeps them: (kvguard's host seconds of its on iterations, the
     per-iteration record :func:`compare` reads)."""
@@ -96,9 +91,9 @@ def compare(windows: list[dict], concurrency: int) -> dict:
     on, off, off_halves, host = [], [], ([], []), {ON: [], OFF: []}
     for w in windows:
         il = w.get("interleave")
-        for label, block, step, us, bs in zip(*(il[k] for k in ("labels", "blocks", "steps_s", "host_us", "batch"))) \
-                if il else ():
-            if bs != concurrency or label == SKIP:
+        rows = zip(*(il[k] for k in ("labels", "blocks", "steps_s", "host_us", "batch"))) if il else ()
+        for i, (label, block, step, us, bs) in enumerate(rows):
+            if bs != concurrency or label == SKIP or i == 0:  # (the first holds the run's start)
                 continue
             (on if label == ON else off).append(step)
             if label == OFF:

@@ -94,8 +94,8 @@ class _Prof:
         return self._switch_on
 
     def timed(self, name: str, fn, around: bool = False, hook: bool = False, always: bool = False, off=None):
-        """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off", after calling ``off``
-        (if given) with its arguments; ``always``: one it runs then too, timed (bookkeeping that must go on in both
+        """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off" (``off``, if given, runs
+        in its place then, untimed); ``always``: one it runs then too, timed (bookkeeping that must go on in both
         modes)."""
         prof = self
         if name in WAITS:
@@ -116,7 +116,7 @@ class _Prof:
                     prof.count("inner:" + name, time.perf_counter() - t)
             if hook and not always and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
                 if off is not None:
-                    off(*a, **k)
+                    return off(*a, **k)
                 return a[0](*a[1:], **k) if around else None
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
 
@@ -177,7 +177,7 @@ class _Prof:
         return named(wrapper, fn, name)
 
     def mark_iteration(self, batch_size: int = 0) -> None:
-        """One decode iteration (the prepare_for_decode hook). Gaps over IDLE_S (idle) are not counted."""
+        """One decode iteration (the alloc_for_decode hook). Gaps over IDLE_S (idle) are not counted."""
         now = time.perf_counter()
         idle = self.last_mark is None or now - self.last_mark > IDLE_S
         if not idle:
@@ -336,7 +336,7 @@ def register_timing() -> None:
     Does nothing unless ``KVGUARD_BENCH_TIMING`` names an output file. Wraps every hook a module of ``kvguard``
     registers with SGLang's HookRegistry (whichever plugin loads first; AROUND hooks charged only their own time),
     the allocator wrappers, and the methods of :data:`ENTRIES` and :data:`WAITS` (:data:`INNER` too with
-    ``KVGUARD_BENCH_INNER=1``). Each decode iteration is marked at the ``prepare_for_decode`` hook.
+    ``KVGUARD_BENCH_INNER=1``). Each decode iteration is marked at the ``alloc_for_decode`` hook.
     """
     global _PROF
     path = os.environ.get(TIMING_ENV)
@@ -353,20 +353,23 @@ def register_timing() -> None:
 
     def wrap_hook(target: str, hook, hook_type):
         name = "hook:" + target.rsplit(".", 1)[-1]
-        if profiler is not None and target.endswith(".prepare_for_decode"):
+        decode = target.endswith(".alloc_for_decode")  # where a decode step starts (kvguard arms its check there)
+        if profiler is not None and decode:
             hook = profiled(profiler, hook)
         # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
         # runs in both modes (on no rows when nothing is armed), and the host must keep counting it.
+        off = None
         if prof.schedule is not None:  # interleave: only the per-step check is off in an off iteration
             always = not target.endswith(interleave.CHECK_HOOKS)
+            if decode:  # the allocation's bookkeeping goes on, the check is not armed
+                from kvguard.sglang.plugin import record_alloc_for_decode as off
         else:
             always = target.endswith("DecodeCudaGraphRunner.execute")
-        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True, always=always,
-                           off=interleave.drop_check if target.endswith(".prepare_for_decode") else None)
-        if target.endswith(".prepare_for_decode"):
+        timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True, always=always, off=off)
+        if decode:
             def marked(*a, **k):
                 if prof.schedule is not None or prof.kvguard_on():  # an "off" run of the switch is not an iteration
-                    prof.mark_iteration(len(getattr(a[1] if len(a) > 1 else a[0], "reqs", ()) or ()))
+                    prof.mark_iteration(len(a[1].reqs))  # (original, batch, ...)
                 return timed(*a, **k)
             marked.__module__ = timed.__module__
             marked.__wrapped__ = timed  # kvguard's self-check follows the chain to its hook

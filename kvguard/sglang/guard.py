@@ -62,7 +62,7 @@ class SGLangGuard(PoolFollower):
     # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
     defer: bool = False
 
-    def launch(self, batch, device_group=None) -> Pending | None:
+    def launch(self, batch, device_group=None, out=None, ahead: int = 0, flags=None) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
 
         Every token ``t < seq_len`` of each request (the slot this step writes included: SGLang has
@@ -81,29 +81,34 @@ class SGLangGuard(PoolFollower):
         ``device_group`` (attention TP of two or more ranks): the ranks agree on the stream, with one
         MAX all-reduce of the verdict (stale requests counted in) on the device group, copied to the host
         beside the flag; no CPU collective per step.
+
+        ``out``: the batch's write slots (default ``batch.out_cache_loc``); ``ahead``: tokens the batch's lengths
+        do not count yet (1 for a decode step armed inside its prepare_for_decode, before SGLang counts the step's
+        token); ``flags``: the batch's stale flags, if known (:meth:`stale_flags`).
         """
         rows_ = self.batch_rows(batch)
-        out = batch.out_cache_loc
+        out = batch.out_cache_loc if out is None else out
         if rows_.all_known and device_group is None and out is not None and out.numel() == len(batch.reqs):
             # The decode step (the steady state), or an extend of one token each. A decode step's check is
             # deferred: launched by the forward that runs this batch (captured in SGLang's decode graph:
             # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
-            pending = self._arm(batch, rows_, out)
+            pending = self._arm(batch, rows_, out, flags)
             if not (self.defer and batch.forward_mode.is_decode()):
-                self.fire(pending, batch.req_pool_indices, batch.seq_lens, out)
+                self.fire(pending, batch.req_pool_indices, batch.seq_lens + ahead if ahead else batch.seq_lens, out,
+                          ahead)
             return pending
         if rows_.all_known:  # every row followed: the batch's own lengths (attention TP's decode step)
-            n_entries, max_entries, total = (batch.seq_lens,) + _lengths(batch)
+            n_entries, max_entries, total = (batch.seq_lens + ahead if ahead else batch.seq_lens,) + _lengths(batch, ahead)
         else:
-            n_cpu = torch.where(rows_.known, batch.seq_lens_cpu, 0)
+            n_cpu = torch.where(rows_.known, batch.seq_lens_cpu + ahead, 0)
             max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
             n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         if max_entries == 0:
             return None
-        stale, any_stale = self._stale_of(batch)
+        stale, any_stale = flags if flags is not None else self.stale_flags(batch)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
-        guard = self.write_guard(batch)
+        guard = self.write_guard(batch, out)
         check = self.tracker.check(ring.launch, rows_.owner_dev, n_entries, max_entries=max_entries,
                                    table_rows=batch.req_pool_indices,
                                    verdict=ring.verdict(slot, len(batch.reqs), max_entries),
@@ -129,16 +134,11 @@ class SGLangGuard(PoolFollower):
         batch._kvguard = pending
         return pending
 
-    def _stale_of(self, batch) -> tuple[list, bool]:
-        """The batch's (stale, any stale): computed by this step's alloc_for_decode, or now."""
-        flags = batch.__dict__.pop("_kvguard_stale", None)
-        return flags if flags is not None and len(flags[0]) == len(batch.reqs) else self.stale_flags(batch)
-
-    def _arm(self, batch, rows_, out) -> Pending:
+    def _arm(self, batch, rows_, out, flags=None) -> Pending:
         """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
         row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
         SGLang copies the slots anywhere."""
-        stale, any_stale = self._stale_of(batch)
+        stale, any_stale = flags if flags is not None else self.stale_flags(batch)
         if any_stale:
             apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
         pending = Pending(self, None, rows_.snapshot, -1, 0, stale, rows=rows_.owner_dev,
@@ -146,14 +146,14 @@ class SGLangGuard(PoolFollower):
         self.armed = batch._kvguard = pending
         return pending
 
-    def fire(self, pending: Pending, table_rows, n_entries, out) -> None:
+    def fire(self, pending: Pending, table_rows, n_entries, out, ahead: int = 0) -> None:
         """Launch an armed decode check now, eagerly, on what the forward reads (its row indices, lengths and
         write slots): the launch bound to the batch's rows (built once per batch composition), into the ring's
-        buffers, with the write guard over the step's one slot each."""
+        buffers, with the write guard over the step's one slot each. ``ahead``: as for :meth:`launch`."""
         batch, pending.batch = pending.batch, None
         if self.armed is pending:
             self.armed = None
-        max_entries, total = _lengths(batch)
+        max_entries, total = _lengths(batch, ahead)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
         bound = self._bound(batch, self.batch_rows(batch), ring, out)
@@ -251,16 +251,16 @@ class SGLangGuard(PoolFollower):
                                                        per_token=True), self.device)
         return self._ring
 
-    def write_guard(self, batch) -> WriteGuard | None:
+    def write_guard(self, batch, out=None) -> WriteGuard | None:
         """This step's KV write slots, which the check rewrites to the padding slot for flagged requests.
 
         SGLang writes a decode token at ``out_cache_loc`` = ``last_loc + 1`` read from ``req_to_token``,
         and extend tokens at the slots alloc_for_extend chose; a broken entry would land this step's K/V
         in another live request's page before the verdict is read. The check runs before the forward on
         the same stream and, in the same launch, points a flagged request's writes at the slot SGLang
-        itself uses for padding (device, no sync).
+        itself uses for padding (device, no sync). ``out``: the write slots (default ``batch.out_cache_loc``).
         """
-        out = batch.out_cache_loc
+        out = batch.out_cache_loc if out is None else out
         if out is None or out.numel() == 0:
             return None
         if out.numel() == len(batch.reqs):  # decode (or one new token each): slot b is request b's
@@ -444,10 +444,12 @@ class SGLangGuard(PoolFollower):
         return out
 
 
-def _lengths(batch) -> tuple[int, int]:
-    """The batch's longest row and its total entries, from its host lengths (no torch op: a per-step cost)."""
+def _lengths(batch, ahead: int = 0) -> tuple[int, int]:
+    """The batch's longest row and its total entries, from its host lengths (no torch op: a per-step cost), with
+    ``ahead`` more tokens per request than the lengths count yet."""
     lens = batch.seq_lens_cpu.numpy()
-    return (int(np.maximum.reduce(lens)), int(np.add.reduce(lens))) if lens.size else (0, 0)
+    return (int(np.maximum.reduce(lens)) + ahead, int(np.add.reduce(lens)) + ahead * lens.size) if lens.size \
+        else (0, 0)
 
 
 def mark_aborted(req, stale: bool = False) -> None:

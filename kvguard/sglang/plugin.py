@@ -17,12 +17,11 @@ target                                                             type    what 
 ``mem_cache.allocation.alloc_for_extend``                          AROUND  record each request's pages
 ``mem_cache.allocation.alloc_for_decode``                          AROUND  record decode growth pages; a
                                                                            stale request writes the padding
-                                                                           row, never its old row
+                                                                           row, never its old row; arm the
+                                                                           decode check, guard its write slots
 ``mem_cache.common.release_kv_cache``                              AROUND  an aborted request frees only
                                                                            the pages it legitimately holds
 ``managers.schedule_batch.ScheduleBatch.prepare_for_extend``       AFTER   check the extend batch, guard
-                                                                           its write slots
-``managers.schedule_batch.ScheduleBatch.prepare_for_decode``       AFTER   check the decode batch, guard
                                                                            its write slots
 ``managers.schedule_batch.ScheduleBatch.copy``                     AFTER   carry the check (overlap)
 ``managers.schedule_batch.ScheduleBatch.mix_with_running``         AROUND  launch the decode part's check,
@@ -79,7 +78,6 @@ TARGETS = {
     "alloc_for_decode": f"{_SRT}.mem_cache.allocation.alloc_for_decode",
     "release_kv_cache": f"{_SRT}.mem_cache.common.release_kv_cache",
     "prepare_for_extend": f"{_BATCH}.prepare_for_extend",
-    "prepare_for_decode": f"{_BATCH}.prepare_for_decode",
     "batch_copy": f"{_BATCH}.copy",
     "mix_with_running": f"{_BATCH}.mix_with_running",
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
@@ -156,7 +154,6 @@ def hooks() -> dict[str, tuple]:
         "alloc_for_decode": (_around_alloc_for_decode, "AROUND"),
         "release_kv_cache": (_around_release_kv_cache, "AROUND"),
         "prepare_for_extend": (_after_prepare_for_extend, "AFTER"),
-        "prepare_for_decode": (_after_prepare_for_decode, "AFTER"),
         "batch_copy": (_after_batch_copy, "AFTER"),
         "mix_with_running": (_around_mix_with_running, "AROUND"),
         "process_batch_result_prefill": (_around_process_batch_result_prefill, "AROUND"),
@@ -325,10 +322,17 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
 
 
 def covered(allocator) -> bool:
-    """kvguard follows this KV allocator: SGLang's paged or token allocator (or a subclass)."""
+    """kvguard follows this KV allocator: SGLang's paged or token allocator (or a subclass), except the page
+    interleave allocator (KV cache sharding), which keeps a free list per shard class instead of ``free_pages``:
+    kvguard's alloc wrapper reads the pages handed out as a prefix of ``free_pages`` (kvguard.sglang.follow)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
-    return isinstance(allocator, (PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator))
+    try:
+        from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    except ImportError:  # not in this SGLang
+        PageInterleavePoolAllocator = ()
+    return isinstance(allocator, (PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator)) \
+        and not isinstance(allocator, PageInterleavePoolAllocator)
 
 
 def guard_of(obj) -> SGLangGuard | None:
@@ -368,6 +372,7 @@ def guards() -> list[SGLangGuard]:
 
 
 _GROUP: list = []  # this process's attention-TP (cpu group, device group) once looked up; (None, None): one rank
+# (the per-step hooks read ``_GROUP[0] if _GROUP else _attn_tp()``: no call once it is looked up)
 
 
 def _attn_tp() -> tuple:
@@ -425,11 +430,36 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     guard = _guard_of_batch(batch)
     if guard is None:
         return original(batch, token_per_req, *args, **kwargs)
+    out_cache_loc, flags = _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs)
+    # NOTE: the decode check is armed here, once the step's write slots are known, inside prepare_for_decode
+    # (alloc_for_decode's only caller, on every path that decodes one token per request: update_running_batch
+    # and mixed chunked prefill); SGLang counts the step's token into seq_lens after this returns (ahead=1).
+    # Armed, not launched: the forward that runs the batch launches it (kvguard.sglang.plugin, the runners).
+    # A decode batch that never passed here (a path that prepares decode its own way) is refused at its result.
+    if batch.reqs:
+        guard.launch(batch, device_group=(_GROUP[0] if _GROUP else _attn_tp())[1], out=out_cache_loc, ahead=1,
+                     flags=flags)
+    return out_cache_loc
+
+
+def record_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
+    """alloc_for_decode with kvguard's bookkeeping and no check armed (the batch carries none: ``_kvguard`` None).
+
+    Not one of kvguard's hooks: a benchmark that turns kvguard's per-step check off while requests run calls
+    it in the hook's place, so that what kvguard records of their pages stays true."""
+    guard = _guard_of_batch(batch)
+    if guard is None:
+        return original(batch, token_per_req, *args, **kwargs)
+    return _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs)[0]
+
+
+def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
+    """SGLang's decode allocation, recorded: (its write slots, the batch's stale flags)."""
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
+    batch._kvguard = None  # this step's check, once armed (a batch kvguard follows none of the rows of has none)
     flags = guard.stale_flags(batch)
     stale, any_stale = flags
-    batch._kvguard_stale = flags  # this step's check (same prepare_for_decode, same requests) reuses it
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
     # The step's new pages are bumped by its record launch below (one launch for both), unless a page
     # history is kept (it notes each bump where it happens).
@@ -458,7 +488,7 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
         guard.defer_bump = False
         if guard._pending_alloc is not None:
             guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
-    return out_cache_loc
+    return out_cache_loc, flags
 
 
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
@@ -519,25 +549,16 @@ def _around_pd_pre_alloc(original, queue, req, prefix_indices=None, prefix_len=N
     return kv_loc
 
 
-def _launch(batch, what: str) -> None:
+def _after_prepare_for_extend(result, batch, *args, **kwargs):
     guard = _guard_of_batch(batch)
     if guard is None or not batch.reqs:  # (ScheduleBatch.is_empty)
-        return
+        return None
     batch._kvguard = None
     if not batch.spec_algorithm.is_none():
         raise unchecked("speculative_decoding")
-    if what == "extend" and batch.is_dllm():
+    if batch.is_dllm():
         raise unchecked("dllm")
     guard.launch(batch, device_group=_attn_tp()[1])
-
-
-def _after_prepare_for_extend(result, batch, *args, **kwargs):
-    _launch(batch, "extend")
-    return None
-
-
-def _after_prepare_for_decode(result, batch, *args, **kwargs):
-    _launch(batch, "decode")
     return None
 
 
@@ -545,18 +566,18 @@ _PENDING = ("_kvguard", "_kvguard_mixed")  # the batch's own check; a mixed batc
 
 
 def _after_batch_copy(copy, batch, *args, **kwargs):
+    held = batch.__dict__
     for name in _PENDING:
-        pending = batch.__dict__.get(name)
-        if pending is not None:
-            setattr(copy, name, pending)
+        if name in held:  # a check, or None: nothing to check (a decode batch with neither is refused at its result)
+            setattr(copy, name, held[name])
     return None
 
 
 def _around_mix_with_running(original, batch, running_batch, *args, **kwargs):
-    # Mixed chunked prefill: the running requests' check was armed by their own prepare_for_decode; it is
-    # launched here, before their write slots are merged into the mixed batch's (the write guard rewrites
-    # them where SGLang reads them now), and its verdict travels with the mixed batch, whose result the
-    # prefill path processes.
+    # Mixed chunked prefill: the running requests' check was armed by their own prepare_for_decode (its
+    # alloc_for_decode); it is launched here, before their write slots are merged into the mixed batch's (the
+    # write guard rewrites them where SGLang reads them now), and its verdict travels with the mixed batch,
+    # whose result the prefill path processes.
     pending = running_batch.__dict__.get("_kvguard")
     if pending is not None and pending.batch is not None:
         pending.guard.fire(pending, running_batch.req_pool_indices, running_batch.seq_lens,
@@ -603,7 +624,19 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     # skipped; non-overlap: the finish handler is shadowed for that call, below), none of their tokens from this step is streamed
     # (finished_output is set), and update_running_batch's filter_batch() drops them from the running
     # batch, as for any finished request.
-    guard, flagged = _flagged(batch, result)
+    pending = batch.__dict__.pop(_PENDING[0], _UNARMED)
+    if pending is None:  # kvguard follows none of this batch's rows
+        return original(processor, batch, result, *args, **kwargs)
+    if pending is _UNARMED:
+        if batch.reqs and _guard_of_batch(batch) is not None:
+            raise _unarmed(batch)
+        return original(processor, batch, result, *args, **kwargs)
+    guard = pending.guard
+    flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
+                            result)
+    if flagged:
+        in_batch = {id(req) for req in batch.reqs}
+        flagged = [item for item in flagged if id(item[0]) in in_batch]
     aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
         if flagged else []
     if not aborted:
@@ -633,6 +666,17 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
 
 
 _FINISH = "_handle_finish_state_updated_req"  # SchedulerBatchResultProcessor's per-request finish
+_UNARMED = object()  # a decode batch's result with no check and no "nothing to check": it never passed alloc_for_decode
+
+
+def _unarmed(batch) -> RuntimeError:
+    """Fail closed: a decode batch of a scheduler kvguard guards ran, and kvguard's alloc_for_decode hook never saw
+    it (a path that prepares decode batches its own way, e.g. speculative decoding): its tokens are not served."""
+    message = (f"kvguard: a decode batch of {len(batch.reqs)} requests reached its result without passing "
+               f"alloc_for_decode, so kvguard never checked it (a decode path kvguard does not follow, e.g. "
+               f"speculative decoding); kvguard does not serve a step it did not check")
+    log.critical(message)
+    return RuntimeError(message)
 
 
 def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
@@ -649,17 +693,19 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
     # or they would prepare different batches and hang.
     guard = None if batch is None or not batch.reqs else _guard_of_batch(batch)  # (ScheduleBatch.is_empty)
     if guard is not None:
-        stale = guard.stale_aborts(batch, _attn_tp()[0])
-        if stale:
-            guard.abort(stale, tree_cache=scheduler.tree_cache, stream=scheduler.output_streamer.stream_output)
+        group = (_GROUP[0] if _GROUP else _attn_tp())[0]
+        if group is not None or guard.stale_flags(batch)[1]:  # (the steady state on one rank: nothing stale)
+            stale = guard.stale_aborts(batch, group)
+            if stale:
+                guard.abort(stale, tree_cache=scheduler.tree_cache, stream=scheduler.output_streamer.stream_output)
     return original(scheduler, batch, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
 # The model runners: the decode check captured into SGLang's decode CUDA graphs
 # ------------------------------------------------------------------------------------------------
-# A decode step's check is armed when SGLang prepares the batch (``prepare_for_decode``) and launched by the
-# forward that runs it:
+# A decode step's check is armed when SGLang allocates the step's write slots (kvguard's ``alloc_for_decode``
+# hook, inside ``prepare_for_decode``) and launched by the forward that runs it:
 #
 # - **a decode graph replay** (``DecodeCudaGraphRunner.execute``): the check was captured into every decode
 #   graph, first node before the forward (SGLang's ``ModelRunner.capture_head_hooks``), on the graph's own
@@ -676,7 +722,8 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
 # forward only when every decode forward of the scheduler goes through a runner hooked here (the model
 # runner's decode runner is none, the eager runner, or one whose graphs all carry the check); otherwise they
 # are launched as the batch is prepared, as before. An armed check that no forward launched is refused at its
-# verdict (the scheduler stops): kvguard never serves a decode step it did not check.
+# verdict (the scheduler stops), and so is a decode batch whose result arrives without having passed
+# alloc_for_decode (_unarmed): kvguard never serves a decode step it did not check.
 
 
 def _guard_of_runner(runner):

@@ -277,6 +277,14 @@ def test_allocator_subclass_is_covered_and_others_refused(make_rig):
         install(rig.req_to_token_pool, Other(), None, registry=registry)
     assert metrics_for(registry).uncovered._value.get() == 1
 
+    # A paged subclass whose pages are not handed out from free_pages (one free list per shard class): refused
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    interleaved = PageInterleavePoolAllocator(512, physical_page_size=16, shard_size=2, dtype=torch.float8_e4m3fn,
+                                              device="cpu", kvcache=rig.kv, need_sort=False)
+    with pytest.raises(KVGuardStartupError, match="PageInterleavePoolAllocator.*not covered"):
+        install(rig.req_to_token_pool, interleaved, None, registry=CollectorRegistry())
+
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["launched-at-prepare", "armed-then-launched-at-mix"])
 def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig, deferred):
@@ -447,3 +455,27 @@ def test_an_armed_decode_check_launched_on_the_forwards_tensors_flags_exactly_th
     assert guard.armed is None and pending.batch is None and pending.slot >= 0
     assert running.out_cache_loc.tolist() == slots.tolist()[:2] + [0]  # c's write went to the padding slot
     assert [item[0].rid for item in _flagged(running, None)[1]] == [c.rid]
+
+
+def test_a_decode_batch_that_never_passed_alloc_for_decode_is_not_served(make_rig):
+    """Fail closed: the decode check is armed in kvguard's alloc_for_decode hook; a decode batch whose result
+    arrives without having passed it (a path that prepares decode its own way) stops the scheduler, while one
+    kvguard armed, or marked as holding nothing to check, is served."""
+    from kvguard.sglang.plugin import _around_process_batch_result_decode as process
+
+    rig = make_rig(16)
+    rig.install(registry=rig.registry)
+    running = rig.running(20, 20)
+    served = []
+
+    def original(processor, batch, result):
+        served.append(batch)
+        return "served"
+
+    assert rig.decode(running) is not None  # armed inside prepare_for_decode (its alloc_for_decode)
+    assert process(original, None, running, None) == "served" and "_kvguard" not in running.__dict__
+    running._kvguard = None  # nothing to check (kvguard follows none of its rows)
+    assert process(original, None, running, None) == "served"
+    with pytest.raises(RuntimeError, match="without passing alloc_for_decode"):
+        process(original, None, running, None)  # carries neither: never passed kvguard's hook
+    assert len(served) == 2
