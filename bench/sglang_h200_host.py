@@ -2,7 +2,10 @@
 
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
-Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 in-engine A/B runs,
+Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
+off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
+dec02m (commit fd19881, the decode check armed in the alloc_for_decode hook; overlap off and on at c=1 and 64, and
+c=256 at 1024/300) and dec02l (commit 7f08808, before that change, another machine); then the in-engine A/B runs,
 ``--switch``: dec02k (commit acb1b1d, overlap on and off at c=1, another machine) and dec02j (commit bd35b63,
 overlap off and on at c=1 and 64, c=256 at 1024/300) after the hot-path trim and with the leaner profiler and a
 warm-up run per concurrency; dec02i (overlap off, c=1 and 64) with no event on the captured check's path; dec02h with the
@@ -12,15 +15,23 @@ December 1 runs before it, dec01d and dec01e) and writes one
 row per (run, overlap, concurrency) in the issue's format, each raw file's command kept beside its rows, and
 the per-piece host and GPU costs of ``bench/host_path_h200.py`` (dec02h/graph1/host_path.json, with the GPU
 time of the check as SGLang's graphs carry it) under ``pieces``.
-A row whose concurrency the run's time budget skipped has no ratios (null).
+A row whose concurrency the run's time budget skipped has no ratios (null). An interleaved run's rows are computed
+again here from its labelled steps (``faultlab.sglang_gpu.overhead.attach_interleaved``), by the harness's rule now.
 """
 import argparse
 import json
 import os
 
+from faultlab.sglang_gpu.overhead import attach_interleaved
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02k", "off", "overhead_switch_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02m", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec02m", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02m", "b256", "overhead_interleave_nooverlap_c256.json"),
+           os.path.join(RAW, "dec02l", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec02l", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02k", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02k", "on", "overhead_switch_overlap.json"),
            os.path.join(RAW, "dec02j", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec02j", "on", "overhead_switch_overlap.json"),
@@ -36,7 +47,12 @@ DEFAULT = [os.path.join(RAW, "dec02k", "off", "overhead_switch_nooverlap.json"),
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02k/off": "commit acb1b1d on a second machine of the same kind, whose host ran every hook ~1.4x slower "
+NOTES = {"dec02m/b256": "one run of 300 output tokens (~260 interleaved steps): its ratios are not a figure, its "
+                        "host time is",
+         "dec02l/off": "commit 7f08808 (the check still armed in a prepare_for_decode hook of its own), on another "
+                       "machine of the kind",
+         "dec02l/on": "commit 7f08808, the same machine",
+         "dec02k/off": "commit acb1b1d on a second machine of the same kind, whose host ran every hook ~1.4x slower "
                        "than dec02j's (same code but the last trim); three pairs at c=1 only; the off runs drifted by "
                        "7% within the run (ITL p50 8.67 -> 9.29 ms), so its ratios and A/A are not figures",
          "dec02k/on": "commit acb1b1d, the same second machine (host ~1.5x slower per hook than dec02j's); the time "
@@ -74,6 +90,8 @@ def main() -> None:
         with open(path) as f:
             raw = json.load(f)
         commands.append(raw["command"])
+        if raw.get("interleave"):  # rows from the labelled steps, by the harness's current rule (not the file's)
+            attach_interleaved(raw)
         windows = {w["batch_max"]: w for w in (raw.get("host_timing") or {}).get("windows", []) if w["iterations"] >= 10}
         for row in raw["rows"]:
             clean = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}  # NaN: not measured
@@ -81,6 +99,9 @@ def main() -> None:
             rows.append({k: clean.get(k) for k in KEYS} | {
                 "pairs": min(clean.get("n_off") or 0, clean.get("n_check") or 0) or None,
                 "in_engine_switch": bool(raw.get("switch")), "sglang_wait_us_p50": wait,
+                "method": "interleave" if raw.get("interleave") else "switch" if raw.get("switch") else "two engines",
+                **{k: clean.get(k) for k in ("n_on", "n_off", "host_off_us_p50", "step_delta_us_p50",
+                                             "step_delta_us_mean", "aa_itl_p99_ratio") if k in clean},
                 "raw": os.path.relpath(path, HERE), "sglang": raw["environment"].get("sglang"),
                 "note": next((n for d, n in NOTES.items() if f"/{d}/" in path), None)})
     out = {"command": " && ".join(commands), "sglang": rows[0]["sglang"] if rows else None, "rows": rows}
