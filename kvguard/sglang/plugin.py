@@ -457,7 +457,7 @@ def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
     """SGLang's decode allocation, recorded: (its write slots, the batch's stale flags)."""
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
-    batch._kvguard = None  # this step's check, once armed (a batch kvguard follows none of the rows of has none)
+    batch._kvguard = None  # this step's check once armed; None: nothing to check (kvguard follows none of its rows)
     flags = guard.stale_flags(batch)
     stale, any_stale = flags
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
