@@ -95,8 +95,8 @@ class _Prof:
 
     def timed(self, name: str, fn, around: bool = False, hook: bool = False, always: bool = False, off=None):
         """``fn`` timed. ``hook``: a kvguard hook the in-engine switch passes by when "off" (``off``, if given, runs
-        in its place then, untimed); ``always``: one it runs then too, timed (bookkeeping that must go on in both
-        modes)."""
+        in its place then, timed as ``<name>:off``); ``always``: one it runs then too, timed (bookkeeping that must
+        go on in both modes)."""
         prof = self
         if name in WAITS:
             return self._timed_wait(name, fn)
@@ -114,10 +114,11 @@ class _Prof:
                     return fn(*a, **k)
                 finally:  # a part of a hook's time, reported beside it (not added again)
                     prof.count("inner:" + name, time.perf_counter() - t)
+            run, charged = fn, name
             if hook and not always and not prof.kvguard_on():  # the in-engine "off" mode: SGLang's own code only
-                if off is not None:
-                    return off(*a, **k)
-                return a[0](*a[1:], **k) if around else None
+                if off is None:
+                    return a[0](*a[1:], **k) if around else None
+                run, charged = off, name + ":off"  # (its bookkeeping half, counted to the off iteration)
             sub = [0.0]  # seconds spent in SGLang's own code inside an AROUND hook: not kvguard's
 
             def call_original(*oa, **ok):
@@ -134,11 +135,11 @@ class _Prof:
             t = time.perf_counter()
             try:
                 if around:
-                    return fn(call_original, *a[1:], **k)
-                return fn(*a, **k)
+                    return run(call_original, *a[1:], **k)
+                return run(*a, **k)
             finally:
                 prof.active = False
-                prof.charge(name, time.perf_counter() - t - sub[0] - (prof.wait_total - waited))
+                prof.charge(charged, time.perf_counter() - t - sub[0] - (prof.wait_total - waited))
 
         return named(wrapper, fn, name)
 

@@ -464,6 +464,7 @@ def test_profiler_interleave_turns_only_the_check_hooks_off_and_labels_every_ite
         assert ran == (["check", "keep"] if modes[-1] else ["keep"])
         assert (i in dropped) == (not modes[-1])
     assert True in modes and False in modes
+    assert prof.per_fn["hook:update_running_batch:off"][0] == modes.count(False)  # its stand-in, timed apart
     prof.final()
     w = json.loads((tmp_path / "t.json").read_text())["windows"][-1]["interleave"]
     assert len(w["labels"]) == 29 and set(w["labels"]) == {interleave.ON, interleave.OFF, interleave.SKIP}
