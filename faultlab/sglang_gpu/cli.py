@@ -29,6 +29,7 @@ import sys
 from faultlab.sglang_gpu.common import RESULTS, add_common
 from faultlab.sglang_gpu.extras import cmd_extras
 from faultlab.sglang_gpu.faults import cmd_fault_engine, cmd_faults
+from faultlab.sglang_gpu.interleave import MIN_BLOCK
 from faultlab.sglang_gpu.overhead import MIN_WINDOW, cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
 from faultlab.sglang_live.plan import EPISODE_CLASSES
@@ -48,26 +49,24 @@ def _json_object(text: str) -> str:
     return text
 
 
-def _warmup_tokens(text: str) -> int:
-    """``overhead --warmup-tokens``: 0 (no warm-up run), or fewer output tokens than a measured run's window."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if not 0 <= n < MIN_WINDOW:
-        raise argparse.ArgumentTypeError(f"must be 0..{MIN_WINDOW - 1} (a warm-up run is never measured), got {n}")
-    return n
+def _integer(lo: int, hi: int | None, why: str):
+    """An integer option's type: lo..hi (or lo or more without ``hi``); ``why`` says why in the error."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
+        if n < lo or hi is not None and n > hi:
+            span = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+            raise argparse.ArgumentTypeError(f"must be {span} ({why}), got {n}")
+        return n
+    return parse
 
 
-def _block(text: str) -> int:
-    """``overhead --interleave``: decode steps per block, at least 2 (a block's first step is left out)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"must be 2 or more (a block's first step is left out), got {n}")
-    return n
+# overhead --warmup-tokens: 0 (no warm-up run), or fewer output tokens than a measured run's window
+_warmup_tokens = _integer(0, MIN_WINDOW - 1, "a warm-up run is never measured")
+# overhead --interleave: decode steps per block
+_block = _integer(MIN_BLOCK, None, "a block's first step is left out")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ INTERLEAVE_ENV = "KVGUARD_BENCH_INTERLEAVE"  # "B:SEED": block length in decode 
 # kvguard's hooks an "off" step passes straight to SGLang (the per-step check); all others run in both modes
 CHECK_HOOKS = ("Scheduler.update_running_batch", ".alloc_for_decode", "process_batch_result_decode")
 ON, OFF, SKIP = 1, 0, -1  # an iteration's label: check on, check off, left out (a block's first step)
+MIN_BLOCK = 2  # decode iterations per block at least: its first is left out
 
 
 def parse(text: str | None) -> tuple[int, int] | None:
@@ -44,8 +45,9 @@ def parse(text: str | None) -> tuple[int, int] | None:
         return None
     block, _, seed = text.partition(":")
     b, s = int(block), int(seed or 0)
-    if b < 2:
-        raise ValueError(f"{INTERLEAVE_ENV}: a block needs at least 2 decode iterations (its first is left out), got {b}")
+    if b < MIN_BLOCK:
+        raise ValueError(f"{INTERLEAVE_ENV}: a block needs at least {MIN_BLOCK} decode iterations (its first is left "
+                         f"out), got {b}")
     return b, s
 
 

@@ -600,10 +600,15 @@ def _flagged(batch, result):
             continue
         guard = pending.guard
         flagged += guard.resolve(pending, _attn_tp()[0], getattr(result, "copy_done", None), result)
-    if flagged:
-        in_batch = {id(req) for req in batch.reqs}
-        flagged = [item for item in flagged if id(item[0]) in in_batch]
-    return guard, flagged
+    return guard, _still_in(batch, flagged)
+
+
+def _still_in(batch, flagged: list) -> list:
+    """The flagged (req, message, stale) whose request is still in the batch."""
+    if not flagged:
+        return flagged
+    in_batch = {id(req) for req in batch.reqs}
+    return [item for item in flagged if id(item[0]) in in_batch]
 
 
 def _around_process_batch_result_prefill(original, processor, batch, result, *args, **kwargs):
@@ -632,11 +637,8 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
             raise _unarmed(batch)
         return original(processor, batch, result, *args, **kwargs)
     guard = pending.guard
-    flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
-                            result)
-    if flagged:
-        in_batch = {id(req) for req in batch.reqs}
-        flagged = [item for item in flagged if id(item[0]) in in_batch]
+    flagged = _still_in(batch, guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0],
+                                             getattr(result, "copy_done", None), result))
     aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
         if flagged else []
     if not aborted:
