@@ -7,7 +7,7 @@ of kvguard's per-step hooks called the way SGLang's HookRegistry calls it. Each 
 time). The captured check's replay is the one thing not run (there is no graph on the CPU): its result cell is
 written as the device writes it, so the verdict read takes its steady-state branch.
 
-    python bench/kvguard_host_micro.py [--batch 1,64] [--steps 2000] [--page-size 16] [--repeat 3]
+    python bench/kvguard_host_micro.py [--batch 1,64] [--steps 2000] [--page-size 16] [--repeat 3] [--stagger]
 
 Prints µs per step (median over steps, and p99) for each hook and their sum, the lowest of ``--repeat`` runs
 (a shared CPU's noise only ever adds time). The H200 figures
@@ -33,12 +33,12 @@ class _Runner:
     """SGLang's decode graph runner as kvguard's replay hook reads it (its model runner's allocator)."""
 
 
-def run(batch_size: int, steps: int, page_size: int) -> dict:
+def run(batch_size: int, steps: int, page_size: int, stagger: bool = False) -> dict:
     import torch
     from sglang.srt.mem_cache import allocation
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from faultlab.sglang_gpu import profiler
+    from faultlab.sglang_gpu import profiler, timers
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
     from kvguard.sglang import plugin
 
@@ -46,12 +46,14 @@ def run(batch_size: int, steps: int, page_size: int) -> dict:
     apply_check_hooks()
     context = 64 + steps + 2 * page_size
     prof = profiler._Prof(os.devnull)
-    profiler._time_alloc_wrappers(prof)  # before install: the allocator's wrappers are timed as on the H200
+    timers._time_alloc_wrappers(prof)  # before install: the allocator's wrappers are timed as on the H200
     rig = Rig(page_size, num_tokens=(batch_size + 1) * context + 4 * page_size, rows=batch_size + 2,
               context=context)
     guard = rig.install()
     guard.warm_up()
-    batch = rig.running(*[48] * batch_size)  # prefilled (one length, as the H200 runs), one checked decode step
+    # prefilled, one checked decode step: one length (every request starts a page on the same step), or staggered
+    # lengths (requests start pages on different steps, as requests that arrived at different times do)
+    batch = rig.running(*[48 + (i * 7 % page_size if stagger else 0) for i in range(batch_size)])
     if guard.enable_graph(batch_size) is None:
         raise SystemExit("the graph check's self-test failed on the CPU")
     runner = _Runner()
@@ -108,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--stagger", action="store_true",
+                   help="prompt lengths spread over a page (requests start pages on different steps)")
     a = p.parse_args(argv)
     try:
         sizes = [int(x) for x in a.batch.split(",")]
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
     print(f"{'hook':32s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
     results = []
     for b in sizes:
-        runs = [run(b, a.steps, a.page_size) for _ in range(a.repeat)]
+        runs = [run(b, a.steps, a.page_size, a.stagger) for _ in range(a.repeat)]
         results.append({name: min((r[name] for r in runs), key=lambda v: v[0]) for name in runs[0]})
     for name in results[0]:
         print(f"{name:32s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" for r in results))

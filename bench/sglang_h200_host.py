@@ -104,7 +104,8 @@ def main() -> None:
                 "pairs": min(clean.get("n_off") or 0, clean.get("n_check") or 0) or None,
                 "in_engine_switch": bool(raw.get("switch")), "sglang_wait_us_p50": wait,
                 "method": "interleave" if raw.get("interleave") else "switch" if raw.get("switch") else "two engines",
-                **{k: clean.get(k) for k in ("n_on", "n_off", "host_off_us_p50", "step_delta_us_p50",
+                **{k: clean.get(k) for k in ("n_on", "n_off", "host_off_us_p50", "host_net_us_p50", "host_net_us_p99",
+                                             "host_off_net_us_p50", "step_delta_us_p50",
                                              "step_delta_us_mean", "aa_itl_p99_ratio") if k in clean},
                 "raw": os.path.relpath(path, HERE), "sglang": raw["environment"].get("sglang"),
                 "note": next((n for d, n in NOTES.items() if f"/{d}/" in path), None)})

@@ -25,6 +25,11 @@ def _as_index(value) -> int | None:
         return None
 
 
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``t`` on ``device`` (None stays None; a tensor already there is not passed through ``to``, a per-step cost)."""
+    return t if t is None or t.device == device else t.to(device)
+
+
 class TagTracker(NoopTracker):
     """Tag-versioned page tracker: tags bump on alloc and free; expected (page, tag) per request slot.
 
@@ -184,9 +189,8 @@ class TagTracker(NoopTracker):
                 base = self.tags.reserve(alloc.numel())
                 if self.history is not None:
                     self.history.note(alloc, torch.arange(base, base + alloc.numel(), device=dev), incidents.ALLOC)
-            self._recorder(rows.to(dev), positions.to(dev), slots.to(dev), fresh=None if fresh is None else fresh.to(dev),
-                           skip=None if skip is None else skip.to(dev), alloc=None if alloc is None else alloc.to(dev),
-                           base=base)
+            self._recorder(_on(rows, dev), _on(positions, dev), _on(slots, dev), fresh=_on(fresh, dev),
+                           skip=_on(skip, dev), alloc=_on(alloc, dev), base=base)
 
     def drop(self, row: int) -> None:
         self._require_attached()

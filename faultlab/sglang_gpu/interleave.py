@@ -73,12 +73,15 @@ class Schedule:
         return self.mode
 
 
-def window(labels: list, blocks: list, batch: list, steps: list, host_s: list) -> tuple[list, dict]:
-    """One run's iterations as the profiler keeps them: (kvguard's host seconds of its on iterations, the
-    per-iteration record :func:`compare` reads)."""
+def window(labels: list, blocks: list, batch: list, steps: list, host_s: list, net_s: list) -> tuple[tuple, dict]:
+    """One run's iterations as the profiler keeps them: ((kvguard's host seconds of its on iterations, the same
+    less the profiler's own share), the per-iteration record :func:`compare` reads)."""
     on = [x for x, label in zip(host_s, labels) if label == ON] or [math.nan]
-    return on, {"interleave": {"labels": labels, "blocks": blocks, "batch": list(batch),
-                               "steps_s": [round(x, 7) for x in steps], "host_us": [round(1e6 * x, 2) for x in host_s]}}
+    on_net = [x for x, label in zip(net_s, labels) if label == ON] or [math.nan]
+    return (on, on_net), {"interleave": {"labels": labels, "blocks": blocks, "batch": list(batch),
+                                         "steps_s": [round(x, 7) for x in steps],
+                                         "host_us": [round(1e6 * x, 2) for x in host_s],
+                                         "host_net_us": [round(1e6 * x, 2) for x in net_s]}}
 
 
 def compare(windows: list[dict], concurrency: int) -> dict:
@@ -90,17 +93,20 @@ def compare(windows: list[dict], concurrency: int) -> dict:
     ``host_*``: kvguard's host time per iteration in each mode (the off steps': what the ratios do not contain);
     ``step_delta_us_*``: the on steps' length less the off steps' (p50 and mean).
     """
-    on, off, off_halves, host = [], [], ([], []), {ON: [], OFF: []}
+    on, off, off_halves, host, net = [], [], ([], []), {ON: [], OFF: []}, {ON: [], OFF: []}
     for w in windows:
         il = w.get("interleave")
-        rows = zip(*(il[k] for k in ("labels", "blocks", "steps_s", "host_us", "batch"))) if il else ()
-        for i, (label, block, step, us, bs) in enumerate(rows):
+        # (host_net_us: from the profiler's calibration on; an earlier file has none, and no net figures)
+        rows = zip(*(il.get(k) or [math.nan] * len(il["labels"])
+                     for k in ("labels", "blocks", "steps_s", "host_us", "batch", "host_net_us"))) if il else ()
+        for i, (label, block, step, us, bs, net_us) in enumerate(rows):
             if bs != concurrency or label == SKIP or i == 0:  # (the first holds the run's start)
                 continue
             (on if label == ON else off).append(step)
             if label == OFF:
                 off_halves[(block // 2) % 2].append(step)  # each pair of blocks holds one off block: alternate pairs
             host[label].append(us)
+            net[label].append(net_us)
     out = {"n_on": len(on), "n_off": len(off)}
     if not on or not off:
         return out
@@ -119,5 +125,8 @@ def compare(windows: list[dict], concurrency: int) -> dict:
         "aa_itl_p99_ratio": pct(b, 99) / pct(a, 99) if a and b else math.nan,
         "host_us_p50": pct(host[ON], 50), "host_us_p99": pct(host[ON], 99),
         "host_off_us_p50": pct(host[OFF], 50), "host_off_us_p99": pct(host[OFF], 99),
+        # the same less the profiler's own share of each timed call (its calibration): NaN for a file without it
+        "host_net_us_p50": pct(net[ON], 50), "host_net_us_p99": pct(net[ON], 99),
+        "host_off_net_us_p50": pct(net[OFF], 50),
     })
     return out

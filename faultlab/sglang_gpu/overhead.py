@@ -194,7 +194,8 @@ def print_rows(result: dict) -> None:
         if row.get("n_on"):
             print(f"{'':>11}   interleaved steps: {row['n_on']} on, {row['n_off']} off" + (
                 f"; kvguard host per step p50 {row['host_us_p50']:.1f} us on, {row['host_off_us_p50']:.1f} us off "
-                f"(kept in both modes)" if row.get("n_off") else ""))
+                f"(kept in both modes); less the profiler's own share {row['host_net_us_p50']:.1f} us on, "
+                f"{row['host_off_net_us_p50']:.1f} us off" if row.get("n_off") else ""))
     for row in result.get("rows", []):
         if row.get("host_us_p50") is not None:
             print(f"c={row['concurrency']} overlap={row.get('overlap')}: kvguard host time per decode iteration "

@@ -13,26 +13,12 @@ import sys
 import time
 
 from faultlab.sglang_gpu import interleave
+from faultlab.sglang_gpu.bias import calibrate
+from faultlab.sglang_gpu.timers import INNER, WAITS, _inner_on, _time_alloc_wrappers, _time_methods
 from faultlab.sglang_gpu.pyprofile import cprofiler, named, profiled
 from faultlab.sglang_gpu.workload import pct
 
 TIMING_ENV = "KVGUARD_BENCH_TIMING"  # path of the JSON file the profiler rewrites as it goes
-# kvguard's methods that only wait, in SGLang's place, for what SGLang waits for next anyway (the forward's
-# sampled ids): reported on their own ("sglang_wait"), not as kvguard's host time.
-WAITS = {"SGLangGuard.wait_forward"}
-# kvguard's methods that SGLang's own code reaches outside a hook, through the wrappers kvguard puts on its pools'
-# instances (kvguard.sglang.follow: a release's tag bump, a free's filter, a row's drop, the tree's checkpoint) or
-# calls itself (the capture head hook, a PD writer's stamp): timed as calls of their own. Every other method of
-# kvguard runs inside a timed hook or alloc wrapper and is counted there; it is not wrapped (a wrapper would add
-# the profiler's own call frame to kvguard's time on every step).
-ENTRIES = {"TagTracker.on_free", "PoolFollower._filter", "TagTracker.expectation", "PoolFollower.drop",
-           "PoolFollower.adopt", "SGLangGuard.capture_head", "PoolFollower.stamp"}
-# Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time),
-# only with INNER_ENV=1: each timer adds ~1 us to the hook it is in, so a headline run goes without them.
-INNER_ENV = "KVGUARD_BENCH_INNER"
-INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_flags", "SGLangGuard._bound",
-         "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts",
-         "BoundCheck.__call__", "VerdictRing.next"}
 # A file holding "on" or "off": with "off" kvguard's SGLang hooks are passed straight to SGLang's own code
 # (the in-engine A/B of ``overhead --switch``: one engine instance, kvguard installed and its memory held in
 # both modes). Re-read at most every SWITCH_PERIOD_S; the harness flips it only while the engine is idle and
@@ -66,6 +52,9 @@ class _Prof:
         # a collection runs where an allocation crosses the threshold, and collects SGLang's objects too)
         self.gc_acc = 0.0
         self.gcs: list[float] = []  # per decode iteration, beside iters
+        # The profiler's own seconds inside what it charges, per timed call of each kind (faultlab.sglang_gpu.bias;
+        # zero until calibrated), summed per iteration beside iters: host time is reported net of it too
+        self.bias, self.bias_acc, self.biases = {"around": 0.0, "plain": 0.0}, 0.0, []
         self._gc_start = None
         self.switch_path = os.environ.get(SWITCH_ENV) or None
         self.cprofile = None  # the cProfile of faultlab.sglang_gpu.pyprofile, if any
@@ -104,6 +93,7 @@ class _Prof:
         inner = name in INNER
         if inner and not _inner_on():
             return fn
+        kind = "around" if around else "plain"
 
         def wrapper(*a, **k):
             if prof.active:
@@ -139,7 +129,7 @@ class _Prof:
                 return run(*a, **k)
             finally:
                 prof.active = False
-                prof.charge(charged, time.perf_counter() - t - sub[0] - (prof.wait_total - waited))
+                prof.charge(charged, time.perf_counter() - t - sub[0] - (prof.wait_total - waited), kind)
 
         return named(wrapper, fn, name)
 
@@ -151,9 +141,11 @@ class _Prof:
             self.gc_acc += time.perf_counter() - self._gc_start
             self._gc_start = None
 
-    def charge(self, name: str, seconds: float) -> None:
-        """``seconds`` of kvguard's own host time in ``name``: counted to it and to this decode iteration."""
+    def charge(self, name: str, seconds: float, kind: str = "plain") -> None:
+        """``seconds`` of kvguard's own host time in ``name``: counted to it and to this decode iteration (with the
+        profiler's own share of it, by the timed call's ``kind``: :func:`faultlab.sglang_gpu.bias.calibrate`)."""
         self.acc += seconds
+        self.bias_acc += self.bias[kind]
         self.count(name, seconds)
 
     def count(self, name: str, seconds: float) -> None:
@@ -186,6 +178,7 @@ class _Prof:
                 self.labels.append(self._label)
                 self.blocks.append(self._block)
             self.iters.append(self.acc)
+            self.biases.append(self.bias_acc)
             self.waits.append(self.wait_acc)
             self.gcs.append(self.gc_acc)
             self.steps.append(now - self.last_mark)
@@ -195,21 +188,24 @@ class _Prof:
             # request waits on it.
             self._close_window()
             self.dump()
-        self.acc, self.wait_acc, self.gc_acc, self.last_mark = 0.0, 0.0, 0.0, now
+        self.acc, self.wait_acc, self.gc_acc, self.bias_acc, self.last_mark = 0.0, 0.0, 0.0, 0.0, now
         self.total_iters += 1
         if self.schedule is not None:  # the mode of the iteration that starts now
             self._label, self._block = self.schedule.step(), self.schedule.index
 
     def _close_window(self) -> None:
         it, w0, extra = self.iters[self._window_start:], self._window_start, {}
+        net = [x - b for x, b in zip(it, self.biases[w0:])]  # less the profiler's own share (calibrate)
         if self.schedule is not None and it:  # kvguard's host time is the on iterations'; every iteration kept
-            it, extra = interleave.window(self.labels[w0:], self.blocks[w0:], self.batch, self.steps[w0:], it)
+            (it, net), extra = interleave.window(self.labels[w0:], self.blocks[w0:], self.batch, self.steps[w0:], it,
+                                                 net)
         if it:
             fn = {k: [c - self._fn_start.get(k, [0, 0.0])[0], t - self._fn_start.get(k, [0, 0.0])[1]]
                   for k, (c, t) in self.per_fn.items()}
             self.windows.append({
                 "iterations": len(it), "batch_p50": pct(self.batch, 50), "batch_max": max(self.batch),
                 "kvguard_us_per_iter_p50": 1e6 * pct(it, 50), "kvguard_us_per_iter_p99": 1e6 * pct(it, 99),
+                "kvguard_net_us_per_iter_p50": 1e6 * pct(net, 50), "kvguard_net_us_per_iter_p99": 1e6 * pct(net, 99),
                 "sglang_wait_us_per_iter_p50": 1e6 * pct(self.waits[self._window_start:], 50),
                 "gc_in_kvguard_us_per_iter_mean": 1e6 * sum(self.gcs[self._window_start:]) / len(it),
                 "gc_in_kvguard_us_per_iter_p99": 1e6 * pct(self.gcs[self._window_start:], 99),
@@ -234,6 +230,7 @@ class _Prof:
                 "kvguard_us_per_iter_p50": 1e6 * pct(it, 50) if it else None,
                 "kvguard_us_per_iter_p99": 1e6 * pct(it, 99) if it else None,
                 "step_ms_p50": 1e3 * pct(self.steps, 50) if self.steps else None,
+                "profiler_bias_us_per_call": {k: 1e6 * v for k, v in self.bias.items()},
                 "per_function_us_per_call": {k: {"calls": c, "us_per_call": 1e6 * s / c, "total_s": s}
                                              for k, (c, s) in sorted(self.per_fn.items())},
                 "windows": self.windows, "pid": os.getpid(), "guards": _guard_stats()}
@@ -246,50 +243,6 @@ class _Prof:
 
 
 _PROF: _Prof | None = None
-
-
-def _inner_on() -> bool:
-    return os.environ.get(INNER_ENV, "0") not in ("", "0")
-
-
-def _time_alloc_wrappers(prof: _Prof) -> None:
-    """Time kvguard's wrapper on the allocator's alloc calls (SGLang's code calls it, not a hook): its own time is
-    kvguard's, the allocation it wraps is not."""
-    from kvguard.sglang.follow import PoolFollower
-
-    make = getattr(PoolFollower._alloc_wrapper, "__wrapped__", PoolFollower._alloc_wrapper)
-    name = "PoolFollower.alloc_wrapper"
-
-    def _alloc_wrapper(self, original):
-        inside = [0.0]  # seconds in SGLang's allocation so far (not kvguard's)
-
-        def allocation(*a, **k):
-            prof.active = False  # kvguard code it reaches (an eviction's release) is timed on its own
-            t = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                inside[0] += time.perf_counter() - t
-                prof.active = True
-
-        inner = make(self, allocation)
-
-        def alloc_wrapper(*a, **k):
-            if prof.active:  # inside kvguard's own timed code: counted there
-                return inner(*a, **k)
-            before = inside[0]
-            prof.active = True
-            t = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                prof.active = False
-                prof.charge(name, time.perf_counter() - t - (inside[0] - before))
-
-        alloc_wrapper.__wrapped__ = original
-        return alloc_wrapper
-
-    PoolFollower._alloc_wrapper = named(_alloc_wrapper, make, "_alloc_wrapper")
 
 
 def _guard_stats() -> list:
@@ -310,27 +263,6 @@ def _guard_stats() -> list:
     return out
 
 
-def _time_methods(prof: _Prof) -> list[str]:
-    """Wrap the methods of kvguard named in ENTRIES and WAITS (INNER too, with INNER_ENV): the names wrapped.
-    Raises for a name that is not a method of its class (a renamed method is never left untimed)."""
-    import importlib
-
-    wrap = ENTRIES | WAITS | (INNER if _inner_on() else set())
-    classes = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.guard",
-               "PoolFollower": "kvguard.sglang.follow", "TagTracker": "kvguard.tracker",
-               "BoundCheck": "kvguard.kernels.tag_check"}
-    done = []
-    for name in sorted(wrap):
-        cls_name, attr = name.split(".")
-        cls = getattr(importlib.import_module(classes[cls_name]), cls_name)
-        value = cls.__dict__.get(attr)
-        if not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
-            raise AttributeError(f"kvguard_bench: {name} is not a method of {cls_name}")
-        setattr(cls, attr, prof.timed(name, value))
-        done.append(name)
-    return done
-
-
 def register_timing() -> None:
     """SGLang plugin (``kvguard_bench``): time kvguard's hooks and its guard's methods in this process.
 
@@ -346,6 +278,7 @@ def register_timing() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     prof = _PROF = _Prof(path)
+    bias = calibrate(prof)
     import atexit
 
     atexit.register(prof.final)
@@ -395,4 +328,5 @@ def register_timing() -> None:
 
     _time_methods(prof)
     _time_alloc_wrappers(prof)
-    print(f"kvguard_bench: timing kvguard's hooks into {path}", file=sys.stderr)
+    print(f"kvguard_bench: timing kvguard's hooks into {path} (the profiler's own share per timed call: "
+          f"{1e6 * bias['around']:.2f} us around, {1e6 * bias['plain']:.2f} us plain)", file=sys.stderr)

@@ -154,6 +154,12 @@ class GraphCheck:
                                f"the device's disagree, and this step's verdict cannot be trusted")
         return self._flag_np[slot] == epoch + 1
 
+    def clean(self, epoch: int) -> bool:
+        """After the check of ``epoch`` ran: True when its result is in its slot and nothing was bad (the steady
+        state, without :meth:`flagged`'s error; False sends the caller to :meth:`flagged`)."""
+        slot = epoch % RING
+        return self._done_np[slot] == epoch + 1 and self._flag_np[slot] != epoch + 1
+
     def verdict(self, epoch: int, batch: int) -> torch.Tensor:
         """The per-program verdict ``[batch, PROGRAMS]`` of ``epoch`` (device)."""
         return self.verdicts[epoch % RING, :batch]

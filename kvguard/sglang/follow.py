@@ -151,7 +151,7 @@ class PoolFollower:
                 # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
                 # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two
                 # lengths on the host: no device sync.
-                taken = len(before) - len(a.free_pages)
+                taken = before.shape[0] - a.free_pages.shape[0]  # (not len(): a Python-level call per tensor)
                 if taken == 0:  # the steady decode step: no request starts a page (no tensor op)
                     self._fresh = None
                     return out
@@ -344,12 +344,13 @@ class PoolFollower:
         # Continuation slots (pos % ps != 0) stay in an already-recorded page: keep that expectation,
         # never refresh it from the table (that would launder a swapped or freed entry). One launch, no
         # sync (kvguard.kernels.record), which also bumps the step's new pages (alloc).
-        if any(stale):
+        any_stale = True in stale
+        if any_stale:
             self.flush_alloc()  # the rare path below reads the new pages' tags on the host
         alloc, self._pending_alloc = self._pending_alloc, None
         fresh = self._fresh if alloc is None and self._fresh is not None and self._fresh.numel() else None
         skip = None
-        if any(stale):
+        if any_stale:
             # Rare: a request decoding on a row that now belongs to another request. A new page it got is
             # its own: given back when it is aborted (at this step's verdict).
             new = (pos % ps == 0).tolist()

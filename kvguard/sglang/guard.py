@@ -134,6 +134,16 @@ class SGLangGuard(PoolFollower):
         batch._kvguard = pending
         return pending
 
+    def arm_decode(self, batch, out, flags) -> Pending | None:
+        """A decode step on one rank, inside its ``alloc_for_decode`` (``out``: its write slots; ``flags``: its
+        stale flags): armed for the forward that runs it, as :meth:`launch` with ``ahead=1`` arms it, without
+        :meth:`launch`'s general cases on the steady path (one call per decode step)."""
+        rows_ = self.batch_rows(batch)
+        if rows_.all_known and self.defer and out is not None and out.numel() == rows_.n \
+                and batch.forward_mode.is_decode():
+            return self._arm(batch, rows_, out, flags)
+        return self.launch(batch, None, out, 1, flags)
+
     def _arm(self, batch, rows_, out, flags=None) -> Pending:
         """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
         row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
@@ -141,8 +151,9 @@ class SGLangGuard(PoolFollower):
         stale, any_stale = flags if flags is not None else self.stale_flags(batch)
         if any_stale:
             apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
-        pending = Pending(self, None, rows_.snapshot, -1, 0, stale, rows=rows_.owner_dev,
-                          table_rows=batch.req_pool_indices, batch=batch, any_stale=any_stale)
+        # (positional: Pending's fields in order, a per-step construction)
+        pending = Pending(self, None, rows_.snapshot, -1, 0, stale, None, None, rows_.owner_dev,
+                          batch.req_pool_indices, None, batch, None, any_stale)
         self.armed = batch._kvguard = pending
         return pending
 
@@ -210,7 +221,8 @@ class SGLangGuard(PoolFollower):
         g = self.graph
         if g.recaptured:  # SGLang captured graphs while serving (a PD role switch, an elastic recapture)
             g.resync()
-        epoch = g.next()
+        epoch = g.host_epoch  # (GraphCheck.next, inline: the epoch this replay's check takes)
+        g.host_epoch = epoch + 1
         if pending is None or pending.batch is None or len(pending.reqs) != forward_batch.batch_size:
             # No check armed for this replay: its captured check checks nothing (an armed check that was never
             # launched is refused at its verdict).
@@ -296,6 +308,9 @@ class SGLangGuard(PoolFollower):
         all-reduce here.
         """
         self.wait_forward(pending, done, result)
+        if pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None \
+                and self.graph.clean(pending.epoch):
+            return []  # the steady state of a captured check on one rank: its result in, nothing bad
         if pending.epoch is not None:
             flagged = self.graph.flagged(pending.epoch)  # raises if this epoch's result is not in its slot
         elif pending.slot < 0:

@@ -437,8 +437,11 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     # Armed, not launched: the forward that runs the batch launches it (kvguard.sglang.plugin, the runners).
     # A decode batch that never passed here (a path that prepares decode its own way) is refused at its result.
     if batch.reqs:
-        guard.launch(batch, device_group=(_GROUP[0] if _GROUP else _attn_tp())[1], out=out_cache_loc, ahead=1,
-                     flags=flags)
+        device_group = (_GROUP[0] if _GROUP else _attn_tp())[1]
+        if device_group is None:
+            guard.arm_decode(batch, out_cache_loc, flags)
+        else:
+            guard.launch(batch, device_group=device_group, out=out_cache_loc, ahead=1, flags=flags)
     return out_cache_loc
 
 
@@ -637,8 +640,10 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
             raise _unarmed(batch)
         return original(processor, batch, result, *args, **kwargs)
     guard = pending.guard
-    flagged = _still_in(batch, guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0],
-                                             getattr(result, "copy_done", None), result))
+    flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
+                            result)
+    if flagged:
+        flagged = _still_in(batch, flagged)
     aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
         if flagged else []
     if not aborted:

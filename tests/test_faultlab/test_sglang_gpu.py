@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab.sglang_gpu import cli, common, faults, overhead, probes, profiler, report, workers, workload
+from faultlab.sglang_gpu import cli, common, faults, overhead, probes, profiler, report, timers, workers, workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -296,7 +296,7 @@ def test_profiler_times_the_alloc_wrapper_without_the_allocation_it_wraps(tmp_pa
 
     monkeypatch.setattr(PoolFollower, "_alloc_wrapper", PoolFollower._alloc_wrapper)  # restored after the test
     prof = profiler._Prof(str(tmp_path / "t.json"))
-    profiler._time_alloc_wrappers(prof)
+    timers._time_alloc_wrappers(prof)
     rig = make_rig(16)
     rig.install(registry=rig.registry)
     alloc = rig.allocator.alloc_decode.__wrapped__  # SGLang's own, under kvguard's wrapper
@@ -337,20 +337,20 @@ def test_profiler_wraps_only_its_declared_methods_and_every_one_exists(tmp_path,
     from kvguard.sglang.guard import SGLangGuard
     from kvguard.tracker import TagTracker
 
-    monkeypatch.delenv(profiler.INNER_ENV, raising=False)
+    monkeypatch.delenv(timers.INNER_ENV, raising=False)
     for cls in (SGLangGuard, PoolFollower, TagTracker):  # every method put back after the test
         for attr, value in list(vars(cls).items()):
             if callable(value):
                 monkeypatch.setattr(cls, attr, value)
     resolve, launch = SGLangGuard.resolve, SGLangGuard.launch
     prof = profiler._Prof(str(tmp_path / "t.json"))
-    done = profiler._time_methods(prof)
-    assert set(done) == profiler.ENTRIES | profiler.WAITS
+    done = timers._time_methods(prof)
+    assert set(done) == timers.ENTRIES | timers.WAITS
     assert SGLangGuard.resolve is resolve and SGLangGuard.launch is launch  # run inside hooks: not wrapped
     assert TagTracker.on_free.__wrapped__ is not None and PoolFollower.adopt.__wrapped__ is not None
-    monkeypatch.setattr(profiler, "ENTRIES", {"TagTracker.no_such_method"})
+    monkeypatch.setattr(timers, "ENTRIES", {"TagTracker.no_such_method"})
     with pytest.raises(AttributeError, match="no_such_method"):
-        profiler._time_methods(prof)
+        timers._time_methods(prof)
 
 
 def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkeypatch, make_rig):
@@ -367,7 +367,7 @@ def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkey
     rig.install(registry=rig.registry)
     classes = {c.__name__: c for c in (SGLangGuard, PoolFollower, TagTracker, VerdictRing)}
     timed_codes = {fn.__code__ for fn, _ in plugin.hooks().values()} | {rig.allocator.alloc.__code__} | {
-        getattr(classes[name.split(".")[0]], name.split(".")[1]).__code__ for name in profiler.ENTRIES}
+        getattr(classes[name.split(".")[0]], name.split(".")[1]).__code__ for name in timers.ENTRIES}
     reached = set()
 
     def spy(name, fn):
@@ -395,7 +395,7 @@ def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkey
         rig.release(req)
     assert reached == set()  # the lifecycle above runs inside kvguard's hooks
     rig.tree.evict(EvictParams(num_tokens=10**6))  # SGLang's scheduler evicts the tree outside any hook
-    assert reached and reached <= profiler.ENTRIES, reached - profiler.ENTRIES  # the release's bump, the free's filter
+    assert reached and reached <= timers.ENTRIES, reached - timers.ENTRIES  # the release's bump, the free's filter
 
 
 def test_interleave_schedule_pairs_each_on_block_with_an_off_block_in_a_seeded_order():
@@ -440,7 +440,34 @@ def test_interleave_compare_recovers_a_known_step_difference_and_a_flat_aa():
     assert 1 / out["throughput_ratio"] == pytest.approx(1.004, abs=0.0015)
     assert out["aa_itl_p50_ratio"] == pytest.approx(1.0, abs=0.0015)
     assert (out["host_us_p50"], out["host_off_us_p50"]) == (40.0, 5.0)
+    assert out["host_net_us_p50"] != out["host_net_us_p50"]  # NaN: a file from before the calibration has no net
     assert interleave.compare([{"interleave": rec}], 1) == {"n_on": 0, "n_off": 0}
+    rec["host_net_us"] = [us - 3.0 for us in rec["host_us"]]
+    out = interleave.compare([{"interleave": rec}], 64)
+    assert (out["host_net_us_p50"], out["host_off_net_us_p50"]) == (37.0, 2.0)
+
+
+def test_profiler_calibration_measures_its_own_share_and_reports_host_time_net_of_it(tmp_path):
+    """calibrate measures what the profiler itself adds to a timed call, leaves no count behind, and each
+    iteration's host time is reported both as charged and less that share (its timed calls times the share)."""
+    from faultlab.sglang_gpu.bias import calibrate
+
+    prof = profiler._Prof(str(tmp_path / "t.json"))
+    bias = calibrate(prof, calls=300, rounds=2)
+    assert bias["around"] > 0 and bias["plain"] > 0 and not prof.per_fn and prof.acc == 0.0
+    hook = prof.timed("hook:process_batch_result_decode", lambda orig, b: orig(b), around=True, hook=True)
+    entry = prof.timed("PoolFollower.drop", lambda row: row)
+    for i in range(40):
+        prof.mark_iteration(1)
+        for _ in range(3):
+            assert hook(lambda b: b + 1, i) == i + 1
+        assert entry(i) == i
+    prof.final()
+    data = json.loads((tmp_path / "t.json").read_text())
+    w = data["windows"][-1]
+    share = 3 * bias["around"] + bias["plain"]  # every iteration made the same timed calls
+    assert w["kvguard_net_us_per_iter_p50"] == pytest.approx(w["kvguard_us_per_iter_p50"] - 1e6 * share, abs=1e-6)
+    assert data["profiler_bias_us_per_call"] == pytest.approx({k: 1e6 * v for k, v in bias.items()})
 
 
 def test_profiler_interleave_turns_only_the_check_hooks_off_and_labels_every_iteration(tmp_path, monkeypatch):
