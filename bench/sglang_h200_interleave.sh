@@ -1,17 +1,11 @@
 #!/usr/bin/env bash
 # One call on the H200 (after sourcing bench/sglang_h200_setup.sh): kvguard's per-step check on and off in
 # alternate blocks of 8 decode steps within each run (overhead --interleave), 8192 in / 1000 out, FP8 KV, page 16,
-# first with the overlap scheduler off, then on (MICRO=1: the CPU micro-benchmark of the hooks first, on this host).
-# Raw results: $OUT/off, $OUT/on; log: $OUT/run.log.
+# first with the overlap scheduler off, then on. Raw results: $OUT/off, $OUT/on; log: $OUT/run.log.
 B="python3 -m faultlab.sglang_gpu overhead --interleave ${BLOCK:-8} --first-n 0"
 L=$OUT/run.log
 keep() { grep -a "^\[[0-9][0-9]:\|^ *[0-9]* |\|interleaved steps\|^c=\|^kvguard host\|Traceback\|Error" | grep -v "Ignore import"; }
 nvidia-smi -L >> $L
-if [ -n "$MICRO" ]; then  # this host's CPU on the hooks' own work, warm (bench/kvguard_host_micro.py), first
-  echo "== CPU micro" >> $L
-  timeout 120 python3 bench/kvguard_host_micro.py --batch 1,64 --steps 600 --repeat 2 --stagger 2>&1 \
-    | grep -v -i "warn" >> $L
-fi
 echo "== overlap off" >> $L
 $B --out $OUT/off --name overhead_interleave_nooverlap.json --reps ${OFF_REPS:-1:3,64:2} --budget ${OFF_BUDGET:-300} \
   --overrides '{"disable_overlap_schedule": true}' 2>&1 | keep >> $L

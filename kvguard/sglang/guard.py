@@ -307,9 +307,10 @@ class SGLangGuard(PoolFollower):
         verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
         all-reduce here.
         """
+        # (what the steady state needs is read before the wait: after a long wait the host's caches are cold)
+        steady = pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None
         self.wait_forward(pending, done, result)
-        if pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None \
-                and self.graph.clean(pending.epoch):
+        if steady and self.graph.clean(pending.epoch):
             return []  # the steady state of a captured check on one rank: its result in, nothing bad
         if pending.epoch is not None:
             flagged = self.graph.flagged(pending.epoch)  # raises if this epoch's result is not in its slot

@@ -642,8 +642,9 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     guard = pending.guard
     flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
                             result)
-    if flagged:
-        flagged = _still_in(batch, flagged)
+    if not flagged:
+        return original(processor, batch, result, *args, **kwargs)
+    flagged = _still_in(batch, flagged)
     aborted = guard.abort(flagged, tree_cache=processor.tree_cache, stream=processor.output_streamer.stream_output) \
         if flagged else []
     if not aborted:
