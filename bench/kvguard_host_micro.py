@@ -7,7 +7,7 @@ of kvguard's per-step hooks called the way SGLang's HookRegistry calls it. Each 
 time). The captured check's replay is the one thing not run (there is no graph on the CPU): its result cell is
 written as the device writes it, so the verdict read takes its steady-state branch.
 
-    python bench/kvguard_host_micro.py [--batch 1,64] [--steps 2000] [--page-size 16] [--repeat 3] [--stagger]
+    python bench/kvguard_host_micro.py [--batch 1,64] [--steps 2000] [--page-size 16] [--repeat 3] [--stagger] [--thrash MB]
 
 Prints µs per step (median over steps, and p99) for each hook and their sum, the lowest of ``--repeat`` runs
 (a shared CPU's noise only ever adds time). The H200 figures
@@ -33,7 +33,7 @@ class _Runner:
     """SGLang's decode graph runner as kvguard's replay hook reads it (its model runner's allocator)."""
 
 
-def run(batch_size: int, steps: int, page_size: int, stagger: bool = False) -> dict:
+def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thrash_mb: int = 0) -> dict:
     import torch
     from sglang.srt.mem_cache import allocation
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -75,11 +75,22 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False) -> d
     }
     names = list(timed) + ["PoolFollower.alloc_wrapper"]
     per_step = {n: [] for n in names}
-    noop = lambda *a, **k: None  # noqa: E731  (SGLang's own code of that step: not timed, not kvguard's)
+    # SGLang's own code of that step: not timed, not kvguard's. With --thrash it walks a buffer of that many MB
+    # (every cache line), as SGLang's own work between kvguard's hooks evicts kvguard's working set on a server.
+    if thrash_mb:
+        import numpy as np
+
+        buf = np.zeros(thrash_mb * 2**20 // 8)
+
+        def noop(*a, **k):
+            buf[::8] += 1.0
+    else:
+        noop = lambda *a, **k: None  # noqa: E731
     for step in range(steps):
         before = {n: prof.per_fn.get(n, [0, 0.0])[1] for n in names}
         timed["update_running_batch"](noop, scheduler, batch)
         batch.forward_mode = ForwardMode.DECODE
+        noop()
         batch.out_cache_loc = timed["alloc_for_decode"](alloc_original, batch, 1)
         for req in batch.reqs:
             req.decode_batch_idx += 1
@@ -93,6 +104,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False) -> d
         slot = pending.epoch % len(g._done_np)
         g._done_np[slot] = pending.epoch + 1  # what the captured check's epoch node writes on the device
         result = types.SimpleNamespace(copy_done=None, next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
+        noop()
         timed["process_batch_result_decode"](noop, processor, batch, result)
         rig.sample(batch)
         for n in names:
@@ -110,22 +122,24 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--thrash", type=int, default=0, metavar="MB",
+                   help="walk a buffer of MB megabytes between the hooks (a server's own work evicting kvguard's)")
     p.add_argument("--stagger", action="store_true",
                    help="prompt lengths spread over a page (requests start pages on different steps)")
     a = p.parse_args(argv)
     try:
         sizes = [int(x) for x in a.batch.split(",")]
-        if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1:
+        if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1 or a.thrash < 0:
             raise ValueError
     except ValueError:
         print("kvguard_host_micro: --batch must be positive integers, --steps >= 20, --page-size >= 1, "
-              "--repeat >= 1",
+              "--repeat >= 1, --thrash >= 0",
               file=sys.stderr)
         return 2
     print(f"{'hook':32s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
     results = []
     for b in sizes:
-        runs = [run(b, a.steps, a.page_size, a.stagger) for _ in range(a.repeat)]
+        runs = [run(b, a.steps, a.page_size, a.stagger, a.thrash) for _ in range(a.repeat)]
         results.append({name: min((r[name] for r in runs), key=lambda v: v[0]) for name in runs[0]})
     for name in results[0]:
         print(f"{name:32s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" for r in results))

@@ -4,7 +4,8 @@
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
 off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
-dec02n (commit 97f3b87, overlap off at c=1 and 64, a third machine, the off steps' bookkeeping timed too), dec02m (commit fd19881, the decode check armed in the alloc_for_decode hook; overlap off and on at c=1 and 64, and
+dec02o (commit c423939, the trimmed arming and verdict read and the profiler's calibrated share; overlap off and on
+at c=1 and 64, a fourth machine), dec02n (commit 97f3b87, overlap off at c=1 and 64, a third machine, the off steps' bookkeeping timed too), dec02m (commit fd19881, the decode check armed in the alloc_for_decode hook; overlap off and on at c=1 and 64, and
 c=256 at 1024/300) and dec02l (commit 7f08808, before that change, another machine); then the in-engine A/B runs,
 ``--switch``: dec02k (commit acb1b1d, overlap on and off at c=1, another machine) and dec02j (commit bd35b63,
 overlap off and on at c=1 and 64, c=256 at 1024/300) after the hot-path trim and with the leaner profiler and a
@@ -26,7 +27,9 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02n", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02o", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec02o", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02n", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02m", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02m", "on", "overhead_interleave_overlap.json"),
            os.path.join(RAW, "dec02m", "b256", "overhead_interleave_nooverlap_c256.json"),
@@ -48,7 +51,10 @@ DEFAULT = [os.path.join(RAW, "dec02n", "off", "overhead_interleave_nooverlap.jso
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02m/off": "the off steps' host time leaves out the bookkeeping half of the alloc_for_decode hook, which "
+NOTES = {"dec02o/off": "commit c423939 on a fourth machine, whose host ran the off steps ~20% faster than dec02n's "
+                       "(16.9 against 21.1 us at c=1): compare on - off host, 23 us here against 32 us on dec02n",
+         "dec02o/on": "commit c423939, the same fourth machine",
+         "dec02m/off": "the off steps' host time leaves out the bookkeeping half of the alloc_for_decode hook, which "
                        "ran untimed there (timed from 97f3b87 on, dec02n: ~11 us per step at c=1)",
          "dec02m/on": "as dec02m/off: the off steps' host time leaves out the alloc_for_decode bookkeeping half",
          "dec02m/b256": "one run of 300 output tokens (~260 interleaved steps): its ratios are not a figure, its "
