@@ -4,6 +4,7 @@
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
 off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
+dec02q (commit f76886b, this session's final hot path: overlap off and on at c=1 and 64, and c=256 at 1024/300),
 dec02o (commit c423939, the trimmed arming and verdict read and the profiler's calibrated share; overlap off and on
 at c=1 and 64, a fourth machine), dec02n (commit 97f3b87, overlap off at c=1 and 64, a third machine, the off steps' bookkeeping timed too), dec02m (commit fd19881, the decode check armed in the alloc_for_decode hook; overlap off and on at c=1 and 64, and
 c=256 at 1024/300) and dec02l (commit 7f08808, before that change, another machine); then the in-engine A/B runs,
@@ -27,7 +28,10 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02o", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02q", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec02q", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02q", "b256", "overhead_interleave_nooverlap_c256.json"),
+           os.path.join(RAW, "dec02o", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02o", "on", "overhead_interleave_overlap.json"),
            os.path.join(RAW, "dec02n", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02m", "off", "overhead_interleave_nooverlap.json"),
@@ -51,7 +55,15 @@ DEFAULT = [os.path.join(RAW, "dec02o", "off", "overhead_interleave_nooverlap.jso
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02o/off": "commit c423939 on a fourth machine, whose host ran the off steps ~20% faster than dec02n's "
+NOTES = {"dec02q/off": "commit f76886b (kvguard as 8a86d6e; the file's git field names the lent machine's stale .git, "
+                       "1dfa246); c=1: ITL p99 x1.034 against an A/A of x0.993: the on steps' tail (13 of 1304 "
+                       "steps over 9.28 ms, 0.3-1.5 ms over the median step) carries 42-75 us of kvguard host time "
+                       "(one step 375 us), not what makes it long; p99 of ~1300 steps is not resolved to 1% "
+                       "(x0.985 to x1.034 across dec02m-q)",
+         "dec02q/on": "commit f76886b, the same machine",
+         "dec02q/b256": "commit f76886b; one run of 300 output tokens (~260 interleaved steps): its ratios are not a "
+                        "figure, its host time is",
+         "dec02o/off": "commit c423939 (the file's git field: the lent machine's stale .git) on a fourth machine, whose host ran the off steps ~20% faster than dec02n's "
                        "(16.9 against 21.1 us at c=1): compare on - off host, 23 us here against 32 us on dec02n",
          "dec02o/on": "commit c423939, the same fourth machine",
          "dec02m/off": "the off steps' host time leaves out the bookkeeping half of the alloc_for_decode hook, which "

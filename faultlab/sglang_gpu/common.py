@@ -178,11 +178,30 @@ def environment() -> dict:
     except Exception as e:  # noqa: BLE001
         env["error"] = str(e)
     try:
+        # (on a lent machine the checkout's .git can lag its working tree: the source digest is what ran)
         env["git"] = subprocess.run(["git", "-C", ROOT, "log", "-1", "--format=%h %s"], capture_output=True,
                                     text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
+    env["source"] = source_digest()
     return env
+
+
+def source_digest(root: str = ROOT) -> str:
+    """A digest of the Python sources of kvguard and faultlab under ``root`` (paths and contents): the code a run
+    ran, whatever its .git says. ``python -c "from faultlab.sglang_gpu.common import source_digest as d; print(d())"``
+    gives it for a checkout."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for package in ("kvguard", "faultlab"):
+        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def dump(a, name: str, data: dict) -> str:

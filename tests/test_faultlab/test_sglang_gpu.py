@@ -497,3 +497,17 @@ def test_profiler_interleave_turns_only_the_check_hooks_off_and_labels_every_ite
     assert len(w["labels"]) == 29 and set(w["labels"]) == {interleave.ON, interleave.OFF, interleave.SKIP}
     # iteration k (closed by mark k + 1) is labelled with the mode it ran in
     assert all(lab in (interleave.SKIP, int(m)) for lab, m in zip(w["labels"], modes))
+
+
+def test_source_digest_names_the_code_not_the_checkout(tmp_path):
+    """The run's source digest follows the Python sources of both packages (a change in either shows) and nothing
+    else (a result file beside them does not)."""
+    for rel in ("kvguard/a.py", "kvguard/sub/b.py", "faultlab/c.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    first = common.source_digest(str(tmp_path))
+    (tmp_path / "kvguard" / "notes.json").write_text("{}")
+    assert common.source_digest(str(tmp_path)) == first
+    (tmp_path / "kvguard" / "sub" / "b.py").write_text("# changed\n")
+    assert common.source_digest(str(tmp_path)) != first
+    assert common.source_digest() == common.source_digest()  # this checkout: stable

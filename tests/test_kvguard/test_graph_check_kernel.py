@@ -66,14 +66,14 @@ def test_clean_batch_and_the_epoch_ring():
         epoch = g.next()
         out = slots.clone()
         g.launch(rows, n, out, rows.numel())
-        assert g.flagged(epoch) is False and torch.equal(out, slots)
+        assert g.flagged(epoch) is False and g.clean(epoch) is True and torch.equal(out, slots)
         assert int(g.verdict(epoch, rows.numel()).sum()) == 0
     assert int(g.epoch) == g.host_epoch == RING + 3
     # break one entry: only that epoch flags, and the next clean epoch in the same slot does not
     case.table[int(case.table_rows[2]), 1] += 1
     epoch = g.next()
     g.launch(rows, n, slots.clone(), rows.numel())
-    assert g.flagged(epoch)
+    assert g.flagged(epoch) and g.clean(epoch) is False
     case.table[int(case.table_rows[2]), 1] -= 1
     for _ in range(RING):
         epoch = g.next()
@@ -124,6 +124,7 @@ def test_a_missing_or_foreign_result_is_refused():
     g.launch(rows, n, slots.clone(), 2)  # ran as the device's epoch 0, the host's 1
     with pytest.raises(RuntimeError, match="cannot be trusted"):
         g.flagged(epoch)
+    assert g.clean(epoch) is False  # the steady state's test never passes a result that is not its epoch's
     with pytest.raises(ValueError, match="batch 5"):
         g.launch(rows, n, slots.clone(), 5)
     g.reset()
