@@ -94,11 +94,10 @@ class SGLangGuard(PoolFollower):
             # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
             pending = self._arm(batch, rows_, out, flags)
             if not (self.defer and batch.forward_mode.is_decode()):
-                self.fire(pending, batch.req_pool_indices, batch.seq_lens + ahead if ahead else batch.seq_lens, out,
-                          ahead)
+                self.fire(pending, batch.req_pool_indices, _device_lengths(batch, ahead), out, ahead)
             return pending
         if rows_.all_known:  # every row followed: the batch's own lengths (attention TP's decode step)
-            n_entries, max_entries, total = (batch.seq_lens + ahead if ahead else batch.seq_lens,) + _lengths(batch, ahead)
+            n_entries, max_entries, total = (_device_lengths(batch, ahead),) + _lengths(batch, ahead)
         else:
             n_cpu = torch.where(rows_.known, batch.seq_lens_cpu + ahead, 0)
             max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
@@ -221,8 +220,7 @@ class SGLangGuard(PoolFollower):
         g = self.graph
         if g.recaptured:  # SGLang captured graphs while serving (a PD role switch, an elastic recapture)
             g.resync()
-        epoch = g.host_epoch  # (GraphCheck.next, inline: the epoch this replay's check takes)
-        g.host_epoch = epoch + 1
+        epoch = g.next()
         if pending is None or pending.batch is None or len(pending.reqs) != forward_batch.batch_size:
             # No check armed for this replay: its captured check checks nothing (an armed check that was never
             # launched is refused at its verdict).
@@ -458,6 +456,11 @@ class SGLangGuard(PoolFollower):
         if out:
             self.tracker.note_aborted(len(out))
         return out
+
+
+def _device_lengths(batch, ahead: int = 0) -> torch.Tensor:
+    """The batch's lengths on the device, with ``ahead`` more tokens per request than they count yet."""
+    return batch.seq_lens + ahead if ahead else batch.seq_lens
 
 
 def _lengths(batch, ahead: int = 0) -> tuple[int, int]:
