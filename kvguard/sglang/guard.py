@@ -62,6 +62,14 @@ class SGLangGuard(PoolFollower):
     # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
     defer: bool = False
 
+    def __init__(self, *args, **kwargs):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        super().__init__(*args, **kwargs)
+        # SGLang's decode mode, compared with ``==`` as ForwardMode.is_decode() compares it: the per-step tests
+        # read it here, without is_decode()'s method call and module lookup (microseconds each on a cold cache).
+        self.decode_mode = ForwardMode.DECODE
+
     def launch(self, batch, device_group=None, out=None, ahead: int = 0, flags=None) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
 
@@ -93,7 +101,7 @@ class SGLangGuard(PoolFollower):
             # deferred: launched by the forward that runs this batch (captured in SGLang's decode graph:
             # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
             pending = self._arm(batch, rows_, out, flags)
-            if not (self.defer and batch.forward_mode.is_decode()):
+            if not (self.defer and batch.forward_mode == self.decode_mode):
                 self.fire(pending, batch.req_pool_indices, _device_lengths(batch, ahead), out, ahead)
             return pending
         if rows_.all_known:  # every row followed: the batch's own lengths (attention TP's decode step)
@@ -139,7 +147,7 @@ class SGLangGuard(PoolFollower):
         :meth:`launch`'s general cases on the steady path (one call per decode step)."""
         rows_ = self.batch_rows(batch)
         if rows_.all_known and self.defer and out is not None and out.numel() == rows_.n \
-                and batch.forward_mode.is_decode():
+                and batch.forward_mode == self.decode_mode:
             return self._arm(batch, rows_, out, flags)
         return self.launch(batch, None, out, 1, flags)
 
@@ -201,7 +209,7 @@ class SGLangGuard(PoolFollower):
         capture, so every replay runs the check on the graph's own static buffers before the forward."""
         g = self.graph
         bs = forward_batch.batch_size
-        ok = g is not None and forward_batch.forward_mode.is_decode() and bs <= g.batch_cap \
+        ok = g is not None and forward_batch.forward_mode == self.decode_mode and bs <= g.batch_cap \
             and forward_batch.out_cache_loc is not None and forward_batch.out_cache_loc.numel() == bs
         if ok:
             g.launch(forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.out_cache_loc, bs)

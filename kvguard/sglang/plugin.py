@@ -780,15 +780,14 @@ def _install_before_capture(scheduler):
 
 def _around_graph_execute(original, runner, forward_batch, *args, **kwargs):
     guard = _guard_of_runner(runner)
-    if guard is None or guard.graph is None or not forward_batch.forward_mode.is_decode():
+    if guard is None or guard.graph is None or forward_batch.forward_mode != guard.decode_mode:
         return original(runner, forward_batch, *args, **kwargs)
     guard.graph_step(runner, forward_batch)
     return original(runner, forward_batch, *args, **kwargs)
 
 
 def _around_eager_execute(original, runner, forward_batch, *args, **kwargs):
-    if forward_batch.forward_mode.is_decode():
-        guard = _guard_of_runner(runner)
-        if guard is not None and guard.armed is not None:
-            guard.fire_armed(forward_batch)
+    guard = _guard_of_runner(runner)
+    if guard is not None and guard.armed is not None and forward_batch.forward_mode == guard.decode_mode:
+        guard.fire_armed(forward_batch)
     return original(runner, forward_batch, *args, **kwargs)
