@@ -4,7 +4,8 @@
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
 off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
-dec02q (commit f76886b, this session's final hot path: overlap off and on at c=1 and 64, and c=256 at 1024/300),
+dec02r (commit 676cd97, the decode-mode tests without is_decode(): long overlap-off runs, 18 at c=1 and 4 at c=64, and
+overlap on, 10 and 3, on a fifth machine), dec02q (commit f76886b, the second session's final hot path: overlap off and on at c=1 and 64, and c=256 at 1024/300),
 dec02o (commit c423939, the trimmed arming and verdict read and the profiler's calibrated share; overlap off and on
 at c=1 and 64, a fourth machine), dec02n (commit 97f3b87, overlap off at c=1 and 64, a third machine, the off steps' bookkeeping timed too), dec02m (commit fd19881, the decode check armed in the alloc_for_decode hook; overlap off and on at c=1 and 64, and
 c=256 at 1024/300) and dec02l (commit 7f08808, before that change, another machine); then the in-engine A/B runs,
@@ -28,7 +29,9 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02q", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec02r", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec02r", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02q", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02q", "on", "overhead_interleave_overlap.json"),
            os.path.join(RAW, "dec02q", "b256", "overhead_interleave_nooverlap_c256.json"),
            os.path.join(RAW, "dec02o", "off", "overhead_interleave_nooverlap.json"),
@@ -55,7 +58,11 @@ DEFAULT = [os.path.join(RAW, "dec02q", "off", "overhead_interleave_nooverlap.jso
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02q/off": "commit f76886b (kvguard as 8a86d6e; the file's git field names the lent machine's stale .git, "
+NOTES = {"dec02r/off": "commit 676cd97 on a fifth machine, whose host ran kvguard's off steps as dec02o's did (16.9 us "
+                       "at c=1); 7854/7853 steps at c=1 and 1749/1745 at c=64: ITL p99 resolved (its A/A x1.0000 "
+                       "and x0.9985)",
+         "dec02r/on": "commit 676cd97, the same fifth machine",
+         "dec02q/off": "commit f76886b (kvguard as 8a86d6e; the file's git field names the lent machine's stale .git, "
                        "1dfa246); c=1: ITL p99 x1.034 against an A/A of x0.993: the on steps' tail (13 of 1304 "
                        "steps over 9.28 ms, 0.3-1.5 ms over the median step) carries 42-75 us of kvguard host time "
                        "(one step 375 us), not what makes it long; p99 of ~1300 steps is not resolved to 1% "
