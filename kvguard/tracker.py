@@ -25,11 +25,6 @@ def _as_index(value) -> int | None:
         return None
 
 
-def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """``t`` on ``device`` (None stays None; a tensor already there is not passed through ``to``, a per-step cost)."""
-    return t if t is None or t.device == device else t.to(device)
-
-
 class TagTracker(NoopTracker):
     """Tag-versioned page tracker: tags bump on alloc and free; expected (page, tag) per request slot.
 
@@ -171,26 +166,26 @@ class TagTracker(NoopTracker):
 
     def record_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, *,
                       fresh: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-                      alloc: torch.Tensor | None = None) -> None:
+                      alloc: torch.Tensor | None = None, n_alloc: int | None = None) -> None:
         """One decode step: each request whose position starts a page expects its new page (one launch).
 
         ``positions[b]`` is the token request ``b`` writes into ``slots[b]``; the k-th request whose
         position starts a page got the step's k-th allocated page, tagged ``fresh[k]`` (the tags
         :meth:`on_alloc` returned; None: the pages' current tags). ``alloc``: the step's allocated pages
-        (allocation order) not yet bumped: the same launch bumps them (:meth:`on_alloc`'s tags, without its
-        launches). ``skip`` (bool, device) leaves requests out. Device tensors, no sync
-        (``kvguard.kernels.record``).
+        (allocation order) not yet bumped, its first ``n_alloc`` entries (default: all): the same launch bumps
+        them (:meth:`on_alloc`'s tags, without its launches). ``skip`` (bool) leaves requests out. No sync
+        (``kvguard.kernels.record``; tensors on another device are moved there).
         """
         self._require_attached()
-        dev = self.expected.device
         with self.lock:
             base = 0
             if alloc is not None:
-                base = self.tags.reserve(alloc.numel())
+                n_alloc = alloc.numel() if n_alloc is None else n_alloc
+                base = self.tags.reserve(n_alloc)
                 if self.history is not None:
-                    self.history.note(alloc, torch.arange(base, base + alloc.numel(), device=dev), incidents.ALLOC)
-            self._recorder(_on(rows, dev), _on(positions, dev), _on(slots, dev), fresh=_on(fresh, dev),
-                           skip=_on(skip, dev), alloc=_on(alloc, dev), base=base)
+                    dev = self.expected.device
+                    self.history.note(alloc[:n_alloc], torch.arange(base, base + n_alloc, device=dev), incidents.ALLOC)
+            self._recorder(rows, positions, slots, fresh=fresh, skip=skip, alloc=alloc, n_alloc=n_alloc, base=base)
 
     def drop(self, row: int) -> None:
         self._require_attached()

@@ -119,43 +119,84 @@ def record_decode(expected, expected_pages, rows, pos, slots, tags, *, page_size
 
 
 class DecodeRecorder:
-    """:func:`record_decode` bound to one expectation table and tag array (a server's per-step launch)."""
+    """:func:`record_decode` bound to one expectation table and tag array (a server's per-step launch).
+
+    On CUDA a call whose argument kinds were seen before (validated, compiled) hands its argument list straight
+    to the compiled kernel: the table's pointers and sizes are read once, a step sets its own pointers and counts.
+    Anything else (a new kind, tensors on another device, a launch hook set) goes through the full path."""
 
     def __init__(self, expected, expected_pages, tags, *, page_size: int, reference: bool = False):
         self.expected, self.expected_pages, self.tags, self.page_size = expected, expected_pages, tags, page_size
         self.reference = reference  # run record_decode_ref instead (a tracker's torch backend)
         self.kernel = DirectLaunch(_record_decode_kernel, expected.device)
         self._seen: set = set()
+        self._compiled: dict = {}  # key -> the compiled variant, for the direct path
+        # (the table's fixed arguments: expected, expected_pages, tags pointers; its rows, width, page size, strides)
+        self._fixed = (expected.data_ptr(), expected_pages.data_ptr(), tags.data_ptr(), expected.shape[0],
+                       expected.shape[1], page_size, expected.stride(0), expected_pages.stride(0))
 
-    def __call__(self, rows, pos, slots, *, fresh=None, skip=None, alloc=None, base: int = 0) -> None:
-        expected, expected_pages, tags, ps = self.expected, self.expected_pages, self.tags, self.page_size
+    def __call__(self, rows, pos, slots, *, fresh=None, skip=None, alloc=None, n_alloc: int | None = None,
+                 base: int = 0) -> None:
+        """``alloc``'s first ``n_alloc`` entries (default: all) are the step's pages."""
         if alloc is not None and fresh is not None:
             raise ValueError("record_decode: give fresh or alloc, not both")
         has_fresh = fresh is not None and fresh.numel() > 0
-        has_alloc = alloc is not None and alloc.numel() > 0
-        key = (has_fresh, skip is not None, has_alloc, spec(rows), spec(pos), spec(slots),
-               spec(fresh) if has_fresh else None, spec(skip) if skip is not None else None,
-               spec(alloc) if has_alloc else None, base < I32, rows.numel() < I32)
-        if key not in self._seen or not rows.numel() == pos.numel() == slots.numel():
+        n_fresh = fresh.numel() if has_fresh else 0 if alloc is None else alloc.numel() if n_alloc is None else n_alloc
+        has_alloc = alloc is not None and n_fresh > 0
+        has_skip = skip is not None
+        batch = rows.numel()
+        key = (has_fresh, has_skip, has_alloc, spec(rows), spec(pos), spec(slots),
+               spec(fresh) if has_fresh else None, spec(skip) if has_skip else None,
+               spec(alloc) if has_alloc else None, base < I32, batch < I32)
+        kernel = self._compiled.get(key)
+        if kernel is not None and batch == pos.numel() == slots.numel() and (not has_alloc or n_fresh <= alloc.numel()) \
+                and not self.kernel.hooked():
+            e, p, t, n_rows, width, ps, e_stride, p_stride = self._fixed
+            self.kernel.run(kernel, (1, 1, 1), [
+                e, p, rows.data_ptr(), pos.data_ptr(), slots.data_ptr(), fresh.data_ptr() if has_fresh else t,
+                skip.data_ptr() if has_skip else rows.data_ptr(), t, batch, n_fresh, n_rows, width, ps, e_stride,
+                p_stride, alloc.data_ptr() if has_alloc else t, base, has_fresh, has_skip, has_alloc, BLOCK])
+            return
+        self._full(rows, pos, slots, fresh, skip, alloc if has_alloc else None, n_fresh, base, key)
+
+    def _full(self, rows, pos, slots, fresh, skip, alloc, n_fresh: int, base: int, key: tuple) -> None:
+        """The full path: tensors moved to the table's device, validated, launched through the JIT (or the
+        reference); the compiled variant kept for the direct path."""
+        expected, expected_pages, tags, ps = self.expected, self.expected_pages, self.tags, self.page_size
+        dev = expected.device
+        moved = [t if t is None or t.device == dev else t.to(dev) for t in (rows, pos, slots, fresh, skip, alloc)]
+        if any(m is not t for m, t in zip(moved, (rows, pos, slots, fresh, skip, alloc))):
+            rows, pos, slots, fresh, skip, alloc = moved
+            key = None  # argument kinds that change on the way: never the direct path
+        has_fresh, has_alloc = fresh is not None and fresh.numel() > 0, alloc is not None
+        if key is None or key not in self._seen or not rows.numel() == pos.numel() == slots.numel():
             _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, ps)
             if has_alloc and (alloc.dim() != 1 or alloc.dtype not in (torch.int32, torch.int64)
-                              or alloc.device != tags.device):
-                raise ValueError(f"record_decode: alloc must be a 1-D int32/int64 tensor on {tags.device}")
-            self._seen.add(key)
+                              or alloc.device != tags.device or not 0 <= n_fresh <= alloc.numel()):
+                raise ValueError(f"record_decode: alloc must be a 1-D int32/int64 tensor on {tags.device} with "
+                                 f"at least n_alloc={n_fresh} entries")
+            if key is not None:
+                self._seen.add(key)
         batch = rows.numel()
         if self.reference:
             if has_alloc:
-                fresh = bump_ref(tags, alloc, base)
+                fresh = bump_ref(tags, alloc[:n_fresh], base)
             record_decode_ref(expected, expected_pages, rows, pos, slots, tags, page_size=ps, fresh=fresh, skip=skip)
             return
         if batch == 0 and not has_alloc:
             return
-        n_fresh = fresh.numel() if has_fresh else alloc.numel() if has_alloc else 0
-        self.kernel((1,), key, (
+        launch_key = key if key is not None else (has_fresh, skip is not None, has_alloc, spec(rows), spec(pos),
+                                                  spec(slots), spec(fresh) if has_fresh else None,
+                                                  spec(skip) if skip is not None else None,
+                                                  spec(alloc) if has_alloc else None, base < I32, batch < I32)
+        self.kernel((1,), launch_key, (
             expected, expected_pages, rows, pos, slots, fresh if has_fresh else tags,
             skip if skip is not None else rows, tags, batch, n_fresh, expected.shape[0], expected.shape[1], ps,
             expected.stride(0), expected_pages.stride(0), alloc if has_alloc else tags, base,
         ), dict(HAS_FRESH=has_fresh, HAS_SKIP=skip is not None, HAS_ALLOC=has_alloc, BLOCK=BLOCK))
+        compiled = self.kernel.kernels.get(launch_key) if key is not None else None
+        if compiled is not None:
+            self._compiled[key] = compiled
 
 
 def bump_ref(tags: torch.Tensor, pages: torch.Tensor, base: int) -> torch.Tensor:

@@ -83,7 +83,8 @@ class PoolFollower:
         # While SGLang allocates a decode step (defer_bump, set around that one call): its pages are bumped by
         # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.
         self.defer_bump = False
-        self._pending_alloc: torch.Tensor | None = None
+        # (tensor, n): the step's new pages are its first n entries (the old free list: no slice per step)
+        self._pending_alloc: tuple[torch.Tensor, int] | None = None
         self.rows_built = 0  # BatchRows built (once per batch composition; a benchmark reads it)
         self.rows_version = 0  # bumped on every row allocation (what a batch's cached staleness depends on)
         # What each released row held, keyed by (row, SGLang's row generation): a request whose row was
@@ -155,6 +156,11 @@ class PoolFollower:
                 if taken == 0:  # the steady decode step: no request starts a page (no tensor op)
                     self._fresh = None
                     return out
+                if self.defer_bump and self._pending_alloc is None:
+                    # a decode step's pages: the first `taken` of the old free list, read there by the step's
+                    # record launch (no slice: a tensor op per step)
+                    self._pending_alloc, self._fresh = (before, taken), None
+                    return out
                 pages = before[:taken]
             else:
                 # merge_and_sort_free ran inside the call (need_sort, PD): free_pages was rebuilt.
@@ -165,7 +171,7 @@ class PoolFollower:
             # NOTE: a decode step that starts no page hands out nothing: no tag bump (no device work). A decode
             # step's bump is left to the step's record launch (defer_bump), which gives the same tags.
             if self.defer_bump and pages.numel() and self._pending_alloc is None:
-                self._pending_alloc, self._fresh = pages, None
+                self._pending_alloc, self._fresh = (pages, pages.numel()), None
             else:
                 self._fresh = self.tracker.on_alloc(pages) if pages.numel() else None
             return out
@@ -228,9 +234,9 @@ class PoolFollower:
 
     def flush_alloc(self) -> None:
         """Bump a deferred decode allocation now (its record launch did not run, or needs the tags on the host)."""
-        pages, self._pending_alloc = self._pending_alloc, None
-        if pages is not None:
-            self._fresh = self.tracker.on_alloc(pages)
+        pending, self._pending_alloc = self._pending_alloc, None
+        if pending is not None:
+            self._fresh = self.tracker.on_alloc(pending[0][:pending[1]])
 
     # -- recording ---------------------------------------------------------------------------------
     def drop(self, row: int) -> None:
@@ -347,7 +353,8 @@ class PoolFollower:
         any_stale = True in stale
         if any_stale:
             self.flush_alloc()  # the rare path below reads the new pages' tags on the host
-        alloc, self._pending_alloc = self._pending_alloc, None
+        pending, self._pending_alloc = self._pending_alloc, None
+        alloc, n_alloc = pending if pending is not None else (None, None)
         fresh = self._fresh if alloc is None and self._fresh is not None and self._fresh.numel() else None
         skip = None
         if any_stale:
@@ -370,7 +377,8 @@ class PoolFollower:
         if not rows.all_known:
             unknown = rows.unknown_dev
             skip = unknown if skip is None else skip | unknown
-        self.tracker.record_decode(rows.owner_dev, pos, out_cache_loc, fresh=fresh, skip=skip, alloc=alloc)
+        self.tracker.record_decode(rows.owner_dev, pos, out_cache_loc, fresh=fresh, skip=skip, alloc=alloc,
+                                   n_alloc=n_alloc)
 
     def to_device(self, values, dtype) -> torch.Tensor:
         """A small host list on the pools' device without waiting for the stream (pinned, async copy).

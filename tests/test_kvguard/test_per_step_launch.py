@@ -137,7 +137,10 @@ def recorder_case(seed: int, batch: int, ps: int, dup: bool):
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("batch", [1, 37, BLOCK + 45])
 @pytest.mark.parametrize("dup", [False, True])
-def test_recorder_bumps_and_records_in_one_launch(ps, batch, dup):
+@pytest.mark.parametrize("prefix", [False, True])
+def test_recorder_bumps_and_records_in_one_launch(ps, batch, dup, prefix):
+    """``prefix``: the step's pages are the first ``n_alloc`` entries of a longer tensor (a server's old free list,
+    read in place), whose other entries must be left alone."""
     case, base = recorder_case(zlib.crc32(f"{ps}-{batch}-{dup}".encode()), batch, ps, dup)
     # reference: the two-step path (bump, then record the fresh tags)
     want = {k: v.clone() for k, v in case.items()}
@@ -145,15 +148,60 @@ def test_recorder_bumps_and_records_in_one_launch(ps, batch, dup):
     record_decode_ref(want["expected"], want["expected_pages"], want["rows"], want["pos"], want["slots"], want["tags"],
                       page_size=ps, fresh=fresh)
     got = {k: v.clone().to(DEVICE) for k, v in case.items()}
+    n_alloc = case["alloc"].numel()
+    if prefix:  # the rest of the free list: pages that must not be bumped
+        rest = torch.randperm(case["tags"].numel(), generator=torch.Generator().manual_seed(batch))[:50]
+        got["alloc"] = torch.cat([got["alloc"], rest.to(DEVICE)])
     rec = DecodeRecorder(got["expected"], got["expected_pages"], got["tags"], page_size=ps)
-    for call in range(2):  # the variant's first call (JIT) and its second (direct on CUDA)
+    for call in range(3):  # the variant's first call (JIT), then direct on CUDA
         for name in ("expected", "expected_pages", "tags"):
             got[name].copy_(case[name])
-        rec(got["rows"], got["pos"], got["slots"], alloc=got["alloc"], base=base)
+        rec(got["rows"], got["pos"], got["slots"], alloc=got["alloc"], base=base, n_alloc=n_alloc if prefix else None)
         for name in ("expected", "expected_pages", "tags"):
             assert torch.equal(got[name].cpu(), want[name]), (call, name)
         assert rel_err(got["tags"].cpu(), want["tags"]) == 0.0
     assert int((want["tags"] != case["tags"]).sum()) == case["alloc"].unique().numel()  # the bump happened
+    if DEVICE.type == "cuda":
+        assert rec.kernel.direct_launches == 2  # the later calls went direct
+
+
+def test_recorder_rejects_an_allocation_shorter_than_n_alloc():
+    case, base = recorder_case(5, 9, 16, False)
+    c = on(DEVICE, case)
+    rec = DecodeRecorder(c["expected"], c["expected_pages"], c["tags"], page_size=16)
+    before = c["tags"].clone()
+    with pytest.raises(ValueError, match="n_alloc"):
+        rec(c["rows"], c["pos"], c["slots"], alloc=c["alloc"], base=base, n_alloc=c["alloc"].numel() + 1)
+    assert torch.equal(c["tags"], before)  # nothing launched
+
+
+@pytest.mark.parametrize("kind", ["fresh", "skip", "current"])
+def test_recorder_direct_calls_match_reference(kind):
+    """Every argument kind a server passes, called repeatedly (JIT first, then the direct launch on CUDA) on fresh
+    random inputs each call, against the reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    ps, batch, rows_n, width, pages_n = 16, 45, 60, 12, 900
+    expected = torch.randint(10_000, 1 << 40, (rows_n, width), generator=gen)
+    expected_pages = torch.randint(1, pages_n, (rows_n, width), generator=gen).to(torch.int32)
+    tags = (torch.randperm(pages_n * 4, generator=gen)[:pages_n] + 5).long()
+    got = [t.to(DEVICE) for t in (expected, expected_pages, tags)]
+    rec = DecodeRecorder(*got, page_size=ps)
+    for call in range(4):
+        rows = torch.randperm(rows_n, generator=gen)[:batch]
+        pos = torch.randint(0, width * ps, (batch,), generator=gen)
+        pos = torch.where(torch.rand(batch, generator=gen) < 0.5, pos - pos % ps, pos)
+        slots = torch.randint(ps, pages_n * ps, (batch,), generator=gen)
+        n_new = int((pos % ps == 0).sum())
+        fresh = torch.arange(n_new) + int(torch.randint(1 << 41, 1 << 42, (1,), generator=gen)) \
+            if kind == "fresh" and n_new else None
+        skip = torch.rand(batch, generator=gen) < 0.3 if kind == "skip" else None
+        record_decode_ref(expected, expected_pages, rows, pos, slots, tags, page_size=ps, fresh=fresh, skip=skip)
+        rec(rows.to(DEVICE), pos.to(DEVICE), slots.to(DEVICE), fresh=None if fresh is None else fresh.to(DEVICE),
+            skip=None if skip is None else skip.to(DEVICE))
+        assert torch.equal(got[0].cpu(), expected) and torch.equal(got[1].cpu(), expected_pages), call
+        assert rel_err(got[0].cpu(), expected) == 0.0
+    if DEVICE.type == "cuda":
+        assert rec.kernel.direct_launches >= 2
 
 
 @pytest.mark.parametrize("with_fresh", [False, True])
