@@ -109,7 +109,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
         pending = batch.__dict__.get("_kvguard")
         g = guard.graph
         slot = pending.epoch % len(g._done_np)
-        g._done_np[slot] = pending.epoch + 1  # what the captured check's epoch node writes on the device
+        g._done_np[slot] = 2 * (pending.epoch + 1)  # the result word the captured check's epoch node writes: clean
         result = types.SimpleNamespace(copy_done=None, next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
         noop()
         timed["process_batch_result_decode"](noop, processor, batch, result)

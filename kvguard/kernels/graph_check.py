@@ -9,14 +9,16 @@ changes from step to step is read from memory the graph owns or the host fills b
   batch's composition changes; ``-1`` for a padding entry, which is not checked);
 - which ring slot and stamp the check uses from a device ``epoch`` counter: the check reads it, and a
   second node (:func:`_epoch_bump_kernel`) advances it, so the host knows the epoch of every check by
-  counting them (:class:`GraphCheck`). That node also writes the epoch's ``done`` cell: it runs after every
-  program of the check finished, so a ``done`` cell holding the epoch means its whole check ran.
+  counting them (:class:`GraphCheck`). That node also writes the epoch's result word, ``done``: it runs after
+  every program of the check finished, so a ``done`` cell holding the epoch means its whole check ran, and
+  the same word says whether anything was bad (one 8-byte store: the host never sees one half without the
+  other, so it may read the word before waiting for the forward).
 
 The grid is fixed at capture (``[bs, PROGRAMS]``): each program loops over its request's chunks, so one
 captured shape serves every length. Outputs, for ring slot ``s = epoch % RING``: ``verdict[s, b, k]`` (bad
-entries found by program ``k``), ``flag[s] = epoch + 1`` when anything is bad (pinned host memory),
-``done[s] = epoch + 1`` always, by the bump (the host verifies it read this epoch's result, not another one), and the
-write slot of a flagged request redirected to ``scratch_slot``.
+entries found by program ``k``), ``flag[s] = epoch + 1`` when anything is bad (device),
+``done[s] = 2 * (epoch + 1) + bad`` always, by the bump (pinned host memory: the host verifies it read this epoch's
+result, not another one), and the write slot of a flagged request redirected to ``scratch_slot``.
 
 Per entry, the check is :func:`kvguard.kernels.tag_check.entries_bad` (per token, no quarantine): its
 reference is :func:`graph_check_ref`.
@@ -66,10 +68,13 @@ def _graph_check_kernel(
 
 
 @triton.jit
-def _epoch_bump_kernel(epoch_ptr, done_ptr, RING: tl.constexpr):
-    # After the check kernel, on the same stream: every program of this epoch's check has finished.
+def _epoch_bump_kernel(epoch_ptr, flag_ptr, done_ptr, RING: tl.constexpr):
+    # After the check kernel, on the same stream: every program of this epoch's check has finished (its flag is
+    # in device memory), so this one store carries the whole result to the host.
     epoch = tl.load(epoch_ptr)
-    tl.store(done_ptr + epoch % RING, epoch + 1)
+    slot = epoch % RING
+    bad = (tl.load(flag_ptr + slot) == epoch + 1).to(tl.int64)
+    tl.store(done_ptr + slot, (epoch + 1) * 2 + bad)
     tl.store(epoch_ptr, epoch + 1)
 
 
@@ -79,7 +84,8 @@ class GraphCheck:
     ``table``, ``tags``, ``expected``: the token table, page tags and expectations the check reads (their
     storage must outlive every graph captured with them). ``batch_cap``: the largest batch a captured check
     may cover (the ``owner`` buffer's size). On CUDA ``flag``/``done`` are pinned host memory the kernel
-    writes directly; elsewhere (the interpreter) plain host tensors.
+    writes directly; elsewhere (the interpreter) plain host tensors. The host reads ``done`` only (the result
+    word), ``flag`` stays on the device.
     """
 
     def __init__(self, table, tags, expected, *, page_div: int, batch_cap: int, scratch_slot: int = 0):
@@ -89,10 +95,10 @@ class GraphCheck:
         pinned = dev.type == "cuda"
         self.owner = torch.full((batch_cap,), -1, dtype=torch.int64, device=dev)
         self.verdicts = torch.zeros((RING, batch_cap, PROGRAMS), dtype=torch.int32, device=dev)
-        self.flag = torch.zeros(RING, dtype=torch.int64, pin_memory=pinned)
+        self.flag = torch.zeros(RING, dtype=torch.int64, device=dev)
         self.done = torch.zeros(RING, dtype=torch.int64, pin_memory=pinned)
-        # the host's view of the cells (a memoryview reads a Python int: no numpy scalar per step)
-        self._flag_np, self._done_np = memoryview(self.flag.numpy()), memoryview(self.done.numpy())
+        # the host's view of the result words (a memoryview reads a Python int: no numpy scalar per step)
+        self._done_np = memoryview(self.done.numpy())
         self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
         self.host_epoch = 0  # checks enqueued (the device counter's value once they ran)
         self.recaptured = False  # a capture ran the check since the last reset (its warm-ups count on the device)
@@ -111,7 +117,7 @@ class GraphCheck:
             t, table_rows, self.owner, n_entries, self.tags, e, slots, self.verdicts, self.flag, self.epoch,
             t.stride(0), e.stride(0), t.shape[0], e.shape[0], self.cap, self.slot_limit, self.scratch_slot,
             self.batch_cap, PAGE_DIV=self.page_div, RING=RING, PROGRAMS=PROGRAMS, BLOCK=BLOCK)
-        _epoch_bump_kernel[(1,)](self.epoch, self.done, RING=RING)
+        _epoch_bump_kernel[(1,)](self.epoch, self.flag, self.done, RING=RING)
 
     def set_owner(self, rows: torch.Tensor) -> None:
         """The expectation row of each batch entry from now on (on the stream: after every check enqueued
@@ -147,18 +153,18 @@ class GraphCheck:
     def flagged(self, epoch: int) -> bool:
         """After the check of ``epoch`` ran: did it find anything bad? Raises RuntimeError when the slot holds
         another epoch's result (the host's count and the device's disagree: the verdict cannot be trusted)."""
-        slot = epoch % RING
-        if self._done_np[slot] != epoch + 1:
+        word = self._done_np[epoch % RING]
+        if word >> 1 != epoch + 1:
             raise RuntimeError(f"kvguard: the captured decode check's result for epoch {epoch} is missing (its ring "
-                               f"slot holds epoch {self._done_np[slot] - 1}): the host's count of checks and "
+                               f"slot holds epoch {(word >> 1) - 1}): the host's count of checks and "
                                f"the device's disagree, and this step's verdict cannot be trusted")
-        return self._flag_np[slot] == epoch + 1
+        return word & 1 == 1
 
     def clean(self, epoch: int) -> bool:
-        """After the check of ``epoch`` ran: True when its result is in its slot and nothing was bad (the steady
-        state, without :meth:`flagged`'s error; False sends the caller to :meth:`flagged`)."""
-        slot = epoch % RING
-        return self._done_np[slot] == epoch + 1 and self._flag_np[slot] != epoch + 1
+        """True when the result of ``epoch`` is in its slot and nothing was bad (the steady state, without
+        :meth:`flagged`'s error); False: not in yet, flagged, or another epoch's. Safe to call before the forward
+        is waited for (one word holds the whole result)."""
+        return self._done_np[epoch % RING] == 2 * epoch + 2
 
     def verdict(self, epoch: int, batch: int) -> torch.Tensor:
         """The per-program verdict ``[batch, PROGRAMS]`` of ``epoch`` (device)."""

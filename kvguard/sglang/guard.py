@@ -313,11 +313,14 @@ class SGLangGuard(PoolFollower):
         verdict all-reduced at launch (``pending.agreed``), or else, with a CPU ``group``, one small
         all-reduce here.
         """
-        # (what the steady state needs is read before the wait: after a long wait the host's caches are cold)
-        steady = pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None
+        # NOTE (the steady state of a captured check on one rank): its result word is read before any wait. The check
+        # is the first node of the forward's graph, so its result is in long before the sampled ids are; clean, the
+        # step goes on to SGLang's own wait for them, and kvguard waits for nothing (after a wait the host's caches
+        # are cold). Not in yet, or anything else: the wait, then the full read below.
+        if pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None \
+                and self.graph.clean(pending.epoch):
+            return []
         self.wait_forward(pending, done, result)
-        if steady and self.graph.clean(pending.epoch):
-            return []  # the steady state of a captured check on one rank: its result in, nothing bad
         if pending.epoch is not None:
             flagged = self.graph.flagged(pending.epoch)  # raises if this epoch's result is not in its slot
         elif pending.slot < 0:

@@ -65,6 +65,7 @@ def test_clean_batch_and_the_epoch_ring():
     for _ in range(RING + 3):  # every slot reused: a clean check never reads as an old flagged one
         epoch = g.next()
         out = slots.clone()
+        assert g.clean(epoch) is False  # read before the check ran (the host reads it before any wait): not in
         g.launch(rows, n, out, rows.numel())
         assert g.flagged(epoch) is False and g.clean(epoch) is True and torch.equal(out, slots)
         assert int(g.verdict(epoch, rows.numel()).sum()) == 0
@@ -74,6 +75,7 @@ def test_clean_batch_and_the_epoch_ring():
     epoch = g.next()
     g.launch(rows, n, slots.clone(), rows.numel())
     assert g.flagged(epoch) and g.clean(epoch) is False
+    assert g.done[epoch % RING].item() == 2 * (epoch + 1) + 1  # one result word: the epoch and its verdict
     case.table[int(case.table_rows[2]), 1] -= 1
     for _ in range(RING):
         epoch = g.next()
