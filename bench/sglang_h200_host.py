@@ -4,6 +4,9 @@
 
 Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
 off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
+dec03b (commit 6856081, the captured check's result word read before any wait: overlap off at c=1, 4 runs, on
+a machine as slow as dec03a's; the budget skipped c=64), dec03a (commit 7908b13, the decode record reading the step's pages in place and launching from a prebuilt
+argument list: overlap off twice (off, off2) and on, at c=1 and 64, on a sixth machine whose host ran ~1.5x slower),
 dec02r (commit 676cd97, the decode-mode tests without is_decode(): long overlap-off runs, 18 at c=1 and 4 at c=64, and
 overlap on, 10 and 3, on a fifth machine), dec02q (commit f76886b, the second session's final hot path: overlap off and on at c=1 and 64, and c=256 at 1024/300),
 dec02o (commit c423939, the trimmed arming and verdict read and the profiler's calibrated share; overlap off and on
@@ -29,7 +32,11 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec02r", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec03b", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec03a", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec03a", "off2", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec03a", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec02r", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02r", "on", "overhead_interleave_overlap.json"),
            os.path.join(RAW, "dec02q", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec02q", "on", "overhead_interleave_overlap.json"),
@@ -58,7 +65,16 @@ DEFAULT = [os.path.join(RAW, "dec02r", "off", "overhead_interleave_nooverlap.jso
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec02r/off": "commit 676cd97 on a fifth machine, whose host ran kvguard's off steps as dec02o's did (16.9 us "
+NOTES = {"dec03b/off": "commit 6856081 on a seventh machine whose host ran kvguard's off steps as slowly as dec03a's "
+                       "(24.5 against 25.6 us at c=1): on - off host 25.5 us here against 38.5 us on dec03a; 4 runs "
+                       "at c=1 only (the device time left skipped c=64)",
+         "dec03a/off": "commit 7908b13 on a sixth machine whose host ran ~1.5x slower than dec02r's (kvguard's off steps "
+                       "25.6 against 16.9 us at c=1; SGLang's own hooks as slow): compare on - off host, 38 us here "
+                       "against 23 us on dec02r; the budget ran 2 of 4 runs at c=64",
+         "dec03a/off2": "commit 7908b13, the same sixth machine, a second overlap-off run (same code: its spread from "
+                        "dec03a/off, -3 and +8 us of host p50, is the run-to-run noise)",
+         "dec03a/on": "commit 7908b13, the same sixth machine",
+         "dec02r/off": "commit 676cd97 on a fifth machine, whose host ran kvguard's off steps as dec02o's did (16.9 us "
                        "at c=1); 7854/7853 steps at c=1 and 1749/1745 at c=64: ITL p99 resolved (its A/A x1.0000 "
                        "and x0.9985)",
          "dec02r/on": "commit 676cd97, the same fifth machine",
