@@ -140,6 +140,8 @@ class DecodeRecorder:
         """``alloc``'s first ``n_alloc`` entries (default: all) are the step's pages."""
         if alloc is not None and fresh is not None:
             raise ValueError("record_decode: give fresh or alloc, not both")
+        if n_alloc is not None and not (alloc is not None and 0 <= n_alloc <= alloc.numel()):
+            raise ValueError(f"record_decode: n_alloc={n_alloc} must lie in 0..alloc.numel() (an alloc given)")
         has_fresh = fresh is not None and fresh.numel() > 0
         n_fresh = fresh.numel() if has_fresh else 0 if alloc is None else alloc.numel() if n_alloc is None else n_alloc
         has_alloc = alloc is not None and n_fresh > 0
@@ -149,8 +151,7 @@ class DecodeRecorder:
                spec(fresh) if has_fresh else None, spec(skip) if has_skip else None,
                spec(alloc) if has_alloc else None, base < I32, batch < I32)
         kernel = self._compiled.get(key)
-        if kernel is not None and batch == pos.numel() == slots.numel() and (not has_alloc or n_fresh <= alloc.numel()) \
-                and not self.kernel.hooked():
+        if kernel is not None and batch == pos.numel() == slots.numel() and not self.kernel.hooked():
             e, p, t, n_rows, width, ps, e_stride, p_stride = self._fixed
             self.kernel.run(kernel, (1, 1, 1), [
                 e, p, rows.data_ptr(), pos.data_ptr(), slots.data_ptr(), fresh.data_ptr() if has_fresh else t,
@@ -172,9 +173,8 @@ class DecodeRecorder:
         if key is None or key not in self._seen or not rows.numel() == pos.numel() == slots.numel():
             _validate(expected, expected_pages, rows, pos, slots, fresh, skip, tags, ps)
             if has_alloc and (alloc.dim() != 1 or alloc.dtype not in (torch.int32, torch.int64)
-                              or alloc.device != tags.device or not 0 <= n_fresh <= alloc.numel()):
-                raise ValueError(f"record_decode: alloc must be a 1-D int32/int64 tensor on {tags.device} with "
-                                 f"at least n_alloc={n_fresh} entries")
+                              or alloc.device != tags.device):
+                raise ValueError(f"record_decode: alloc must be a 1-D int32/int64 tensor on {tags.device}")
             if key is not None:
                 self._seen.add(key)
         batch = rows.numel()

@@ -165,13 +165,16 @@ def test_recorder_bumps_and_records_in_one_launch(ps, batch, dup, prefix):
         assert rec.kernel.direct_launches == 2  # the later calls went direct
 
 
-def test_recorder_rejects_an_allocation_shorter_than_n_alloc():
+def test_recorder_rejects_an_n_alloc_outside_its_allocation():
     case, base = recorder_case(5, 9, 16, False)
     c = on(DEVICE, case)
     rec = DecodeRecorder(c["expected"], c["expected_pages"], c["tags"], page_size=16)
     before = c["tags"].clone()
+    for n_alloc in (c["alloc"].numel() + 1, -1):
+        with pytest.raises(ValueError, match="n_alloc"):
+            rec(c["rows"], c["pos"], c["slots"], alloc=c["alloc"], base=base, n_alloc=n_alloc)
     with pytest.raises(ValueError, match="n_alloc"):
-        rec(c["rows"], c["pos"], c["slots"], alloc=c["alloc"], base=base, n_alloc=c["alloc"].numel() + 1)
+        rec(c["rows"], c["pos"], c["slots"], base=base, n_alloc=1)  # a count without its allocation
     assert torch.equal(c["tags"], before)  # nothing launched
 
 
