@@ -47,6 +47,15 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
     from kvguard.sglang import plugin
 
     torch.set_num_threads(1)  # no intra-op worker threads beside the one being timed (steadier figures)
+    if not torch.distributed.is_initialized():
+        # SGLang initialises torch.distributed in every scheduler, one rank included: kvguard's hooks look the
+        # attention-TP group up once (kvguard.sglang.plugin._attn_tp), as on a server, not on every step.
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     apply_check_hooks()
     context = 64 + steps + 2 * page_size
     prof = profiler._Prof(os.devnull)
@@ -108,8 +117,8 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
         timed["graph_execute"](noop, runner, fb)
         pending = batch.__dict__.get("_kvguard")
         g = guard.graph
-        slot = pending.epoch % len(g._done_np)
-        g._done_np[slot] = 2 * (pending.epoch + 1)  # the result word the captured check's epoch node writes: clean
+        slot = pending.epoch % len(g.words)
+        g.words[slot] = 2 * (pending.epoch + 1)  # the result word the captured check's epoch node writes: clean
         result = types.SimpleNamespace(copy_done=None, next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
         noop()
         timed["process_batch_result_decode"](noop, processor, batch, result)

@@ -97,8 +97,9 @@ class GraphCheck:
         self.verdicts = torch.zeros((RING, batch_cap, PROGRAMS), dtype=torch.int32, device=dev)
         self.flag = torch.zeros(RING, dtype=torch.int64, device=dev)
         self.done = torch.zeros(RING, dtype=torch.int64, pin_memory=pinned)
-        # the host's view of the result words (a memoryview reads a Python int: no numpy scalar per step)
-        self._done_np = memoryview(self.done.numpy())
+        # the host's view of the result words (a memoryview reads a Python int: no numpy scalar per step); epoch e's
+        # is words[e % RING], 2 * (e + 1) when it ran clean (clean_cell)
+        self.words = memoryview(self.done.numpy())
         self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
         self.host_epoch = 0  # checks enqueued (the device counter's value once they ran)
         self.recaptured = False  # a capture ran the check since the last reset (its warm-ups count on the device)
@@ -153,7 +154,7 @@ class GraphCheck:
     def flagged(self, epoch: int) -> bool:
         """After the check of ``epoch`` ran: did it find anything bad? Raises RuntimeError when the slot holds
         another epoch's result (the host's count and the device's disagree: the verdict cannot be trusted)."""
-        word = self._done_np[epoch % RING]
+        word = self.words[epoch % RING]
         if word >> 1 != epoch + 1:
             raise RuntimeError(f"kvguard: the captured decode check's result for epoch {epoch} is missing (its ring "
                                f"slot holds epoch {(word >> 1) - 1}): the host's count of checks and "
@@ -164,7 +165,13 @@ class GraphCheck:
         """True when the result of ``epoch`` is in its slot and nothing was bad (the steady state, without
         :meth:`flagged`'s error); False: not in yet, flagged, or another epoch's. Safe to call before the forward
         is waited for (one word holds the whole result)."""
-        return self._done_np[epoch % RING] == 2 * epoch + 2
+        words, cell, word = self.clean_cell(epoch)
+        return words[cell] == word
+
+    def clean_cell(self, epoch: int) -> tuple:
+        """(``words``, the index of ``epoch``'s word, the word it holds once ``epoch`` ran clean): :meth:`clean` as a
+        comparison a caller makes itself later, ``words[i] == w`` (a per-step hook, without a call)."""
+        return self.words, epoch % RING, 2 * epoch + 2
 
     def verdict(self, epoch: int, batch: int) -> torch.Tensor:
         """The per-program verdict ``[batch, PROGRAMS]`` of ``epoch`` (device)."""

@@ -83,6 +83,8 @@ class PoolFollower:
         # While SGLang allocates a decode step (defer_bump, set around that one call): its pages are bumped by
         # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.
         self.defer_bump = False
+        # (and only without a page history, which notes each bump where it happens)
+        self.bump_in_record = self.tracker.history is None
         # (tensor, n): the step's new pages are its first n entries (the old free list: no slice per step)
         self._pending_alloc: tuple[torch.Tensor, int] | None = None
         self.rows_built = 0  # BatchRows built (once per batch composition; a benchmark reads it)
@@ -147,7 +149,7 @@ class PoolFollower:
             out = original(*args, **kwargs)
             if out is None:
                 return out
-            if staged == 0 or staged_now() == staged:
+            if not staged or staged_now() == staged:
                 # NOTE: every allocation path of 0.5.23 hands out a prefix of free_pages (alloc takes
                 # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
                 # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two

@@ -49,6 +49,9 @@ class Pending:
     batch: Any = None  # armed and not launched yet: the ScheduleBatch (SGLangGuard.fire / graph_step launch it)
     epoch: int | None = None  # launched inside a decode graph replay: its epoch (kvguard.kernels.graph_check)
     any_stale: bool = False  # any(stale)
+    # A captured check with nothing stale: (its result words, the index and the word that say it ran clean), as
+    # GraphCheck.clean_cell gives them, compared by the verdict's hook without a call
+    clean: tuple | None = None
 
 
 class SGLangGuard(PoolFollower):
@@ -58,6 +61,7 @@ class SGLangGuard(PoolFollower):
     graph: GraphCheck | None = None  # the check captured into SGLang's decode graphs (enable_graph), if any
     graph_runners: dict = {}  # (the instance's own dict from enable_graph on; never written here)
     armed: Pending | None = None  # the decode check prepared for the coming forward, not launched yet
+    model_config: Any = None  # SGLang's model config, once a decode step found it decoder-only (kvguard.sglang.plugin)
     # Decode checks wait for the forward that runs them (set once every decode forward of this scheduler goes
     # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
     defer: bool = False
@@ -238,6 +242,8 @@ class SGLangGuard(PoolFollower):
             g.set_owner(pending.rows)
         self.armed = pending.batch = None
         pending.epoch = epoch
+        if not pending.any_stale:
+            pending.clean = g.clean_cell(epoch)
         self.tracker.count_check()
         return pending
 

@@ -372,6 +372,7 @@ def guards() -> list[SGLangGuard]:
 
 
 _GROUP: list = []  # this process's attention-TP (cpu group, device group) once looked up; (None, None): one rank
+_ONE_RANK = False  # looked up, and one rank (_GROUP == [(None, None)])
 # (the per-step hooks read ``_GROUP[0] if _GROUP else _attn_tp()``: no call once it is looked up)
 
 
@@ -392,7 +393,9 @@ def _attn_tp() -> tuple:
         groups = (None, None)
     if groups[0] is not None and torch.distributed.get_world_size(groups[0]) == 1:
         groups = (None, None)
+    global _ONE_RANK
     _GROUP.append(groups)
+    _ONE_RANK = groups[0] is None
     return groups
 
 
@@ -427,7 +430,8 @@ def _around_alloc_for_extend(original, batch, *args, **kwargs):
 
 
 def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
-    guard = _guard_of_batch(batch)
+    allocator = getattr(batch, "token_to_kv_pool_allocator", None)  # (_guard_of_batch, inline: a per-step hook)
+    guard = getattr(allocator, "_kvguard", None) if allocator is not None else _guard_of_batch(batch)
     if guard is None:
         return original(batch, token_per_req, *args, **kwargs)
     out_cache_loc, flags = _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs)
@@ -437,7 +441,7 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     # Armed, not launched: the forward that runs the batch launches it (kvguard.sglang.plugin, the runners).
     # A decode batch that never passed here (a path that prepares decode its own way) is refused at its result.
     if batch.reqs:
-        device_group = (_GROUP[0] if _GROUP else _attn_tp())[1]
+        device_group = None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[1]
         if device_group is None:
             guard.arm_decode(batch, out_cache_loc, flags)
         else:
@@ -458,15 +462,15 @@ def record_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
 
 def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
     """SGLang's decode allocation, recorded: (its write slots, the batch's stale flags)."""
-    if token_per_req != 1 or batch.model_config.is_encoder_decoder:
-        raise unchecked("encoder_decoder" if batch.model_config.is_encoder_decoder else "speculative_decoding")
+    if token_per_req != 1 or guard.model_config is not batch.model_config:
+        _decoder_only(guard, batch, token_per_req)
     batch._kvguard = None  # this step's check once armed; None: nothing to check (kvguard follows none of its rows)
     flags = guard.stale_flags(batch)
     stale, any_stale = flags
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
     # The step's new pages are bumped by its record launch below (one launch for both), unless a page
-    # history is kept (it notes each bump where it happens).
-    guard.defer_bump = guard.tracker.history is None
+    # history is kept (it notes each bump where it happens: PoolFollower.bump_in_record).
+    guard.defer_bump = guard.bump_in_record
     try:
         if not any_stale:
             out_cache_loc = original(batch, token_per_req, *args, **kwargs)
@@ -492,6 +496,15 @@ def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
         if guard._pending_alloc is not None:
             guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     return out_cache_loc, flags
+
+
+def _decoder_only(guard, batch, token_per_req: int) -> None:
+    """A decode step of one token per request of a decoder-only model, or a refused path stops the scheduler; the
+    model config once seen so (a scheduler's batches share it) is not looked into again."""
+    enc_dec = batch.model_config.is_encoder_decoder
+    if token_per_req != 1 or enc_dec:
+        raise unchecked("encoder_decoder" if enc_dec else "speculative_decoding")
+    guard.model_config = batch.model_config
 
 
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
@@ -632,12 +645,17 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
     # skipped; non-overlap: the finish handler is shadowed for that call, below), none of their tokens from this step is streamed
     # (finished_output is set), and update_running_batch's filter_batch() drops them from the running
     # batch, as for any finished request.
-    pending = batch.__dict__.pop(_PENDING[0], _UNARMED)
+    pending = batch.__dict__.pop("_kvguard", _UNARMED)  # (_PENDING[0])
     if pending is None:  # kvguard follows none of this batch's rows
         return original(processor, batch, result, *args, **kwargs)
     if pending is _UNARMED:
         if batch.reqs and _guard_of_batch(batch) is not None:
             raise _unarmed(batch)
+        return original(processor, batch, result, *args, **kwargs)
+    clean = pending.clean
+    if clean is not None and clean[0][clean[1]] == clean[2] and _ONE_RANK:
+        # The steady state (SGLangGuard.resolve's first test, inline): a captured check's result word says it ran
+        # clean, read before any wait; the step goes on to SGLang's own wait for its sampled ids.
         return original(processor, batch, result, *args, **kwargs)
     guard = pending.guard
     flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
@@ -699,9 +717,12 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
     # released without touching the row), and SGLang's own filter_batch below drops it as finished.
     # With attention TP the ranks agree first (one small CPU all-reduce per decode step, as the verdict's),
     # or they would prepare different batches and hang.
-    guard = None if batch is None or not batch.reqs else _guard_of_batch(batch)  # (ScheduleBatch.is_empty)
+    if batch is None or not batch.reqs:  # (ScheduleBatch.is_empty)
+        return original(scheduler, batch, *args, **kwargs)
+    allocator = getattr(batch, "token_to_kv_pool_allocator", None)  # (_guard_of_batch, inline: a per-step hook)
+    guard = getattr(allocator, "_kvguard", None) if allocator is not None else _guard_of_batch(batch)
     if guard is not None:
-        group = (_GROUP[0] if _GROUP else _attn_tp())[0]
+        group = None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[0]
         if group is not None or guard.stale_flags(batch)[1]:  # (the steady state on one rank: nothing stale)
             stale = guard.stale_aborts(batch, group)
             if stale:
@@ -735,8 +756,14 @@ def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
 
 
 def _guard_of_runner(runner):
-    model_runner = getattr(runner, "model_runner", None)
-    return getattr(getattr(model_runner, "token_to_kv_pool_allocator", None), "_kvguard", None)
+    """The guard of a model runner's pools (kept on the runner once found: a per-step lookup)."""
+    guard = runner.__dict__.get("_kvguard")
+    if guard is None:
+        model_runner = getattr(runner, "model_runner", None)
+        guard = getattr(getattr(model_runner, "token_to_kv_pool_allocator", None), "_kvguard", None)
+        if guard is not None:
+            runner._kvguard = guard
+    return guard
 
 
 def _around_init_all_cuda_graphs(original, scheduler, *args, **kwargs):

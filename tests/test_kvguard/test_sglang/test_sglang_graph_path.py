@@ -13,6 +13,17 @@ import torch
 pytestmark = pytest.mark.sglang
 
 
+@pytest.fixture(params=[False, True], ids=["ranks-not-looked-up", "one-rank"])
+def ranks(request, monkeypatch):
+    """The process's attention-TP group: not looked up yet (the hooks look it up each step), or looked up and one
+    rank, as in every SGLang scheduler of a TP-1 server (the verdict's hook then compares the result word inline)."""
+    from kvguard.sglang import plugin
+
+    monkeypatch.setattr(plugin, "_GROUP", [(None, None)] if request.param else [])
+    monkeypatch.setattr(plugin, "_ONE_RANK", request.param)
+    return request.param
+
+
 class Runner:
     """SGLang's decode graph runner as kvguard's replay hook reads it (its model runner's allocator)."""
 
@@ -56,6 +67,8 @@ def step(rig, runner, batch, *, replay=True, before_replay=None):
     plugin._around_graph_execute(lambda *a, **k: None, runner, fb)
     pending = batch.__dict__["_kvguard"]
     assert pending.epoch is not None and pending.batch is None  # the replay took it
+    words, cell, word = pending.clean  # what the verdict's hook compares: this epoch's cell, its clean word
+    assert words is rig.guard.graph.words and word == 2 * (pending.epoch + 1) and words[cell] != word  # not in yet
     if before_replay is not None:
         before_replay()
     if replay:
@@ -67,7 +80,7 @@ def step(rig, runner, batch, *, replay=True, before_replay=None):
     return bool(ran), processor
 
 
-def test_clean_steps_go_straight_to_sglang(rig_ps):
+def test_clean_steps_go_straight_to_sglang(rig_ps, ranks):
     rig, ps = rig_ps, rig_ps.page_size
     batch = rig.running(2 * ps + 3, ps + 2, 3)
     runner = on_graph(rig)
@@ -78,7 +91,7 @@ def test_clean_steps_go_straight_to_sglang(rig_ps):
     assert rig.guard.graph.host_epoch == epochs + ps + 4 == int(rig.guard.graph.epoch)
 
 
-def test_a_step_whose_check_did_not_run_never_reads_as_clean(rig_ps):
+def test_a_step_whose_check_did_not_run_never_reads_as_clean(rig_ps, ranks):
     rig = rig_ps
     batch = rig.running(5, 9)
     runner = on_graph(rig)
@@ -86,7 +99,7 @@ def test_a_step_whose_check_did_not_run_never_reads_as_clean(rig_ps):
         step(rig, runner, batch, replay=False)  # the replay never ran the check: its result word is not in
 
 
-def test_a_broken_mapping_aborts_exactly_its_request(rig_ps):
+def test_a_broken_mapping_aborts_exactly_its_request(rig_ps, ranks):
     rig, ps = rig_ps, rig_ps.page_size
     batch = rig.running(3 * ps, 3 * ps, ps)
     runner = on_graph(rig)
