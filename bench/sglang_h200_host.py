@@ -2,8 +2,12 @@
 
     python bench/sglang_h200_host.py [RAW_OVERHEAD_JSON ...] [--out bench/results/sglang_h200_host.json]
 
-Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2 runs with the check on and
+Reads raw ``python3 -m faultlab.sglang_gpu overhead`` results (default: the December 2-4 runs with the check on and
 off in alternate blocks of decode steps within each run, ``--interleave 8`` (``bench/sglang_h200_interleave.sh``):
+dec04e, dec04d, dec04c and dec04b (the working tree committed as 047b6dc, the clean check's result word compared inline
+and the TP group looked up once: dec04b overlap off at c=1 and 64 and on at c=1 and 64, dec04c c=256 at 1024/300, then
+dec04d (off and on at c=64) and dec04e (off at c=64) on the same machine minutes later, while its host ran kvguard's
+off steps ~1.9x slower), dec04a (commit 0abeb32, the baseline of that session: overlap off at c=64, the same machine),
 dec03b (commit 6856081, the captured check's result word read before any wait: overlap off at c=1, 4 runs, on
 a machine as slow as dec03a's; the budget skipped c=64), dec03a (commit 7908b13, the decode record reading the step's pages in place and launching from a prebuilt
 argument list: overlap off twice (off, off2) and on, at c=1 and 64, on a sixth machine whose host ran ~1.5x slower),
@@ -32,7 +36,14 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec03b", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec04b", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec04b", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec04c", "b256", "overhead_interleave_nooverlap_c256.json"),
+           os.path.join(RAW, "dec04d", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec04d", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec04e", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec04a", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec03b", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec03a", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec03a", "off2", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec03a", "on", "overhead_interleave_overlap.json"),
@@ -65,7 +76,20 @@ DEFAULT = [os.path.join(RAW, "dec03b", "off", "overhead_interleave_nooverlap.jso
            os.path.join(RAW, "dec01d", "overhead_nooverlap.json"), os.path.join(RAW, "dec01e", "overhead_overlap_1024.json")]
 PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
-NOTES = {"dec03b/off": "commit 6856081 on a seventh machine whose host ran kvguard's off steps as slowly as dec03a's "
+_DEC04 = ("the working tree committed as 047b6dc (the file's git field names the commit it sat on, 0abeb32) on an "
+          "eighth machine (GPU-c409e6d4)")
+NOTES = {"dec04b/off": _DEC04 + "; kvguard's off steps 18.6 us at c=1 and 22.2 us at c=64 (as fast as dec02r's host)",
+         "dec04b/on": _DEC04,
+         "dec04c/b256": _DEC04 + ", right after dec04b; one run of 300 output tokens (~260 interleaved steps): its "
+                                 "ratios are not a figure, its host time is",
+         "dec04d/off": _DEC04 + ", 10 minutes after dec04b, same code: the host now ran kvguard's off steps ~1.9x "
+                                "slower (41.8 against 22.2 us at c=64; no process of ours left on the machine), and the "
+                                "on steps with them (65.8 against 42.5 us)",
+         "dec04d/on": _DEC04 + ", as dec04d/off (the host ~1.9x slower than in dec04b)",
+         "dec04e/off": _DEC04 + ", after dec04d, same code, the host still slow (off steps 41.2 us at c=64)",
+         "dec04a/off": "commit 0abeb32 (before 047b6dc), the same eighth machine, its host at dec04b's speed "
+                       "(off steps 28.2 us at c=64)",
+         "dec03b/off": "commit 6856081 on a seventh machine whose host ran kvguard's off steps as slowly as dec03a's "
                        "(24.5 against 25.6 us at c=1): on - off host 25.5 us here against 38.5 us on dec03a; 4 runs "
                        "at c=1 only (the device time left skipped c=64)",
          "dec03a/off": "commit 7908b13 on a sixth machine whose host ran ~1.5x slower than dec02r's (kvguard's off steps "
