@@ -4,11 +4,15 @@ The SGLang fixtures (``sglang_loader``, ``check_hooks``, ``make_rig``, ``rig_ps`
 real classes through ``faultlab.sglang_live.rig.Rig``; SGLang is imported only when a test asks for them.
 
 NOTE: the CI machine has 2 cores and pytest runs tiny models; torch's default thread pool spends more
-time synchronizing than computing on such shapes (measured ~10x slower under load).
+time synchronizing than computing on such shapes (measured ~10x slower under load). The processes the tests
+start (SGLang engines and their schedulers, HTTP servers, TP ranks) inherit ``OMP_NUM_THREADS=1``: with two
+test workers each running an engine on 2 cores, their default thread pools oversubscribed the cores (the
+whole suite: 7.8 minutes with them, 5.9 with one thread each; measured December 5).
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the processes the tests start; this one: set_num_threads below
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

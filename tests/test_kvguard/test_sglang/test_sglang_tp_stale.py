@@ -19,96 +19,123 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.sglang
 
 
-def _rank_rig(rank: int, port: int):
-    """This rank's process group and a rig with kvguard's hooks applied by SGLang's own loader: (rig, guard)."""
+def _join(rank: int, port: int) -> None:
+    """This rank's process group, and kvguard's hooks applied by SGLang's own plugin loader."""
     os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
     import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
     import sglang.srt.plugins as plugins
 
-    from faultlab.sglang_live.rig import Rig
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     plugins._plugins_loaded = False
     plugins.load_plugins()
+
+
+def _rank_rig():
+    """A fresh rig on this rank's pools, with kvguard installed: (rig, guard)."""
+    from faultlab.sglang_live.rig import Rig
+
     rig = Rig(16)
     return rig, rig.install()
 
 
-def _rank(rank: int, port: int, out) -> None:
-    try:
-        rig, guard = _rank_rig(rank, port)
-        batch = rig.running(20, 35)
-        victim = batch.reqs[0]
-        if rank == 1:
-            rig.req_to_token_pool.free_rows([victim.kv.req_pool_idx])  # the bug, on this rank only
-        newcomer = rig.prefill(24)
-        batch = rig.to_decode(batch, newcomer)
-        flagged = guard.stale_aborts(batch, group=dist.group.WORLD)
-        streamed = []
-        guard.abort(flagged, tree_cache=rig.tree, stream=lambda reqs, *a: streamed.extend(reqs))
-        batch.filter_batch()
+def _stale_row(rank: int) -> dict:
+    """A stale row on rank 1 only, before the decode step: what this rank flagged, streamed and released."""
+    rig, guard = _rank_rig()
+    batch = rig.running(20, 35)
+    victim = batch.reqs[0]
+    if rank == 1:
+        rig.req_to_token_pool.free_rows([victim.kv.req_pool_idx])  # the bug, on this rank only
+    newcomer = rig.prefill(24)
+    batch = rig.to_decode(batch, newcomer)
+    flagged = guard.stale_aborts(batch, group=dist.group.WORLD)
+    streamed = []
+    guard.abort(flagged, tree_cache=rig.tree, stream=lambda reqs, *a: streamed.extend(reqs))
+    batch.filter_batch()
+    batch.prepare_for_decode()
+    rig.sample(batch)
+    for req in batch.reqs:
+        rig.release(req)
+    free = len(rig.allocator.get_all_free_pages()) + rig.tree.evictable_size() // 16  # tree pages evictable
+    return {"flagged": [(str(r.rid), here) for r, _, here in flagged],
+            "streamed": [str(r.rid) for r in streamed], "victim": str(victim.rid),
+            "finished": victim.finished(), "rows_free": len(rig.req_to_token_pool.free_slots),
+            "rows_total": rig.req_to_token_pool.size, "pages_free": free, "pages": rig.allocator.num_pages,
+            "locked": rig.tree.protected_size(), "messages": [m for _, m, _ in flagged]}
+
+
+def _broken_entry(rank: int) -> dict:
+    """A broken table entry on rank 1 only, at step 1 of 3: whom each step's verdict aborted on this rank."""
+    rig, guard = _rank_rig()
+    batch = rig.running(40, 35, 20)
+    victim = batch.reqs[1]
+    results = []
+    for step in range(3):
+        if rank == 1 and step == 1:  # the bug, on this rank only: one entry names another request's page
+            table = rig.req_to_token_pool.req_to_token
+            table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
         batch.prepare_for_decode()
+        pending = guard.launch(batch, device_group=dist.group.WORLD)  # what the hook does under attention TP
+        flagged = guard.resolve(pending, group=dist.group.WORLD)
+        results.append([(str(r.rid), m) for r, m, _ in flagged])
         rig.sample(batch)
-        for req in batch.reqs:
-            rig.release(req)
-        free = len(rig.allocator.get_all_free_pages()) + rig.tree.evictable_size() // 16  # tree pages evictable
-        out.put({"rank": rank, "flagged": [(str(r.rid), here) for r, _, here in flagged],
-                 "streamed": [str(r.rid) for r in streamed], "victim": str(victim.rid),
-                 "finished": victim.finished(), "rows_free": len(rig.req_to_token_pool.free_slots),
-                 "rows_total": rig.req_to_token_pool.size, "pages_free": free, "pages": rig.allocator.num_pages,
-                 "locked": rig.tree.protected_size(), "messages": [m for _, m, _ in flagged]})
-    except BaseException as exc:  # reported to the test, never a silent hang
-        out.put({"rank": rank, "error": repr(exc)})
-        raise
-    finally:
-        dist.destroy_process_group()
+    return {"victim": str(victim.rid), "steps": results}
 
 
-def _rank_verdict(rank: int, port: int, out) -> None:
+SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry}
+
+
+def _rank(rank: int, port: int, out) -> None:
+    """One rank: every scenario in turn, each on a rig of its own (one process group, one SGLang import)."""
     try:
-        rig, guard = _rank_rig(rank, port)
-        batch = rig.running(40, 35, 20)
-        victim = batch.reqs[1]
-        results = []
-        for step in range(3):
-            if rank == 1 and step == 1:  # the bug, on this rank only: one entry names another request's page
-                table = rig.req_to_token_pool.req_to_token
-                table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
-            batch.prepare_for_decode()
-            pending = guard.launch(batch, device_group=dist.group.WORLD)  # what the hook does under attention TP
-            flagged = guard.resolve(pending, group=dist.group.WORLD)
-            results.append([(str(r.rid), m) for r, m, _ in flagged])
-            rig.sample(batch)
-        out.put({"rank": rank, "victim": str(victim.rid), "steps": results})
+        _join(rank, port)
+        for name, scenario in SCENARIOS.items():
+            try:
+                out.put({"rank": rank, "scenario": name, **scenario(rank)})
+            except BaseException as exc:  # reported to the test, never a silent hang
+                out.put({"rank": rank, "scenario": name, "error": repr(exc)})
+                raise
     except BaseException as exc:
-        out.put({"rank": rank, "error": repr(exc)})
+        out.put({"rank": rank, "scenario": None, "error": repr(exc)})
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _run(target) -> dict:
+@pytest.fixture(scope="module")
+def ranks() -> dict:
+    """{scenario: {rank: what that rank reported}}: one 2-rank launch runs both scenarios."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {}
-    for _ in procs:
-        r = out.get(timeout=240)
-        results[r["rank"]] = r
-    for p in procs:
-        p.join(timeout=60)
-    assert all("error" not in r for r in results.values()), results
+    results: dict = {}
+    try:
+        while sum(len(v) for v in results.values()) < 2 * len(SCENARIOS):
+            r = out.get(timeout=240)
+            results.setdefault(r["scenario"], {})[r["rank"]] = r
+            if r["scenario"] is None:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     return results
 
 
-def test_ranks_agree_on_a_broken_entry_seen_by_one_rank():
-    results = _run(_rank_verdict)
-    r0, r1 = results[0], results[1]
+def _of(ranks: dict, scenario: str) -> tuple[dict, dict]:
+    got = ranks.get(scenario, {})
+    assert set(got) == {0, 1} and all("error" not in r for r in got.values()), ranks
+    return got[0], got[1]
+
+
+def test_ranks_agree_on_a_broken_entry_seen_by_one_rank(ranks):
+    r0, r1 = _of(ranks, "broken_entry")
     assert r0["victim"] == r1["victim"]
     for r in (r0, r1):
         assert r["steps"][0] == []  # clean before the bug
@@ -118,9 +145,8 @@ def test_ranks_agree_on_a_broken_entry_seen_by_one_rank():
     assert "peer tensor-parallel rank" in r0["steps"][1][0][1]  # the other rank aborts it too
 
 
-def test_ranks_agree_on_a_stale_row_seen_by_one_rank():
-    results = _run(_rank)
-    r0, r1 = results[0], results[1]
+def test_ranks_agree_on_a_stale_row_seen_by_one_rank(ranks):
+    r0, r1 = _of(ranks, "stale_row")
     assert r0["victim"] == r1["victim"]
     assert r1["flagged"] == [(r1["victim"], True)]  # stale here: released without touching the row
     assert r0["flagged"] == [(r0["victim"], False)]  # stale on the peer only: released normally here
