@@ -10,14 +10,16 @@ process tree, parent included; the test process must survive that to report it.
 SPEC keys (all optional except ``episodes``):
 ``device`` ("cpu"), ``page_size`` (16), ``radix`` (true), ``overlap`` (true), ``env`` (extra environment,
 e.g. ``{"KVGUARD_MODE": "check"}``, set before the engine starts: the scheduler inherits it),
-``max_total_tokens`` (4096), ``dtype`` (on the CPU: "float32"), ``kv_dtype`` ("auto"), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
+``max_total_tokens`` (4096), ``dtype`` (on the CPU: "float32"; the CPU's engines sleep on idle), ``kv_dtype`` ("auto"), ``dummy_std`` (1.0; see ``FAULTLAB_SGLANG_DUMMY_INIT``), ``workload``
 (``n1`` 4, ``n2`` 2, ``prefix`` 40, ``new1`` 32, ``new2`` 12, ``seed`` 0, ``wave2`` "armed"), ``model`` (a
 config dict merged over :data:`TINY_LLAMA`), ``engine`` (extra ``sglang.Engine`` keyword arguments, merged
 over the harness's own), ``pd`` (false; true: PD-disaggregated decode, see below), ``stream`` (false; true:
 every request streams, and its record keeps ``streamed``: the tokens its client received, also when it was
 aborted part-way), ``episodes``: a list of
 ``{"label", "fault" (null: no entry), "seed", "workload" (optional overrides of the run's workload for this
-episode)}``.
+episode)}``; ``probes`` (optional): requests sent one at a time after the episodes, each ``{"rid", "new"
+(max_new_tokens), "params" (sampling parameters over the harness's greedy ones)}`` on wave 1's first prompt,
+recorded as ``probes`` in OUT.json the way episode requests are (a request a server turns away: its ``error``).
 
 ``pd``: the engine is a PD decode server with SGLang's fake transfer backend (:data:`PD_ENGINE`, under
 ``engine``); every request is sent with ``bootstrap_host`` = SGLang's ``FAKE_BOOTSTRAP_HOST`` and a
@@ -96,16 +98,17 @@ def _read_log(path: str) -> list[dict]:
 _rooms = iter(range(1, 1 << 62))  # PD: every request's bootstrap_room, distinct over the engine's life
 
 
-async def _one(engine, ids, new, rid, opts=None):
+async def _one(engine, ids, new, rid, opts=None, sampling=None):
     """One request; what its client got: ``output_ids`` or the ``error`` (and, streaming, ``streamed``: every
-    token the client received, also when the request was aborted part-way)."""
+    token the client received, also when the request was aborted part-way). ``sampling``: sampling parameters
+    over the greedy ones."""
     opts = opts or {}
     extra = {}
     if opts.get("pd"):
         from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
         extra = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": next(_rooms)}
-    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True, **(sampling or {})}
     streamed = [] if opts.get("stream") else None
     try:
         if streamed is None:
@@ -218,6 +221,10 @@ def run(spec: dict, out_path: str) -> int:
     kwargs["attention_backend"] = spec.get("attention_backend", "torch_native" if device == "cpu" else "triton")
     if device == "cpu":
         kwargs["dtype"] = spec.get("dtype", "float32")
+        # NOTE: SGLang's scheduler spins a core while idle unless sleep_on_idle (it then polls its sockets, after
+        # the idle housekeeping and SGLang's accounting check): on a 2-core machine running two engines at once,
+        # idle spinning took the cores from the engines that had work. No KV path depends on it.
+        kwargs["sleep_on_idle"] = True
     kwargs.update({**(PD_ENGINE if pd else {}), **spec.get("engine", {})})
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
@@ -248,6 +255,12 @@ def run(spec: dict, out_path: str) -> int:
             flushed = engine.flush_cache()
             record.update(idle_check=idle, flushed=getattr(flushed, "success", flushed))
             _finish_record(record, log_path)
+            save()
+        result["current"] = "probes"
+        first = prompts(workload, page_size)[0][0]
+        for probe in spec.get("probes", []):
+            result.setdefault("probes", []).append(engine.loop.run_until_complete(
+                _one(engine, first, int(probe["new"]), probe["rid"], opts, probe.get("params"))))
             save()
         result["current"] = None
     finally:

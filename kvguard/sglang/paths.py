@@ -164,7 +164,7 @@ PATHS: tuple[Path, ...] = (
          "a beam group's member rows are forked and extended outside alloc_for_extend / alloc_for_decode and ride "
          "the decode batch past its requests (append_beam_tail), none of which kvguard records; each such request "
          "is turned away (HTTP 400) by SGLang's own beam validation before any of its KV is written",
-         "tests/test_kvguard/test_sglang/test_sglang_refusals.py", lambda f: False, per_request=True),
+         "tests/test_faultlab/test_sglang_live/test_sglang_engine.py", lambda f: False, per_request=True),
 )
 BY_NAME = {p.name: p for p in PATHS}
 assert len(BY_NAME) == len(PATHS)

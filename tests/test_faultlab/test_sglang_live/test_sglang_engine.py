@@ -73,7 +73,7 @@ def _last_error(stderr: str) -> str:
 def _run_engine(tmp_path_factory, name: str, base: dict, classes, soak=False) -> dict:
     """All episodes of ``classes``; restart the engine after an episode that killed it (at most 3x)."""
     tmp = tmp_path_factory.mktemp(name)
-    todo, episodes, deaths, runs = _episodes(classes, soak), {}, {}, []
+    todo, episodes, deaths, runs, probes = _episodes(classes, soak), {}, {}, [], []
     for attempt in range(4):
         rc, result, stderr = _harness({**base, "episodes": todo}, tmp, f"{name}{attempt}")
         runs.append({"rc": rc, "startup_s": result and result.get("startup_s"), "stderr": stderr})
@@ -81,6 +81,7 @@ def _run_engine(tmp_path_factory, name: str, base: dict, classes, soak=False) ->
             pytest.fail(f"{name}: sglang.Engine did not start (rc {rc}):\n{stderr}")
         for ep in result["episodes"]:
             episodes[ep["label"]] = ep
+        probes = result.get("probes", probes)
         died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
         if not died:
             break
@@ -90,7 +91,7 @@ def _run_engine(tmp_path_factory, name: str, base: dict, classes, soak=False) ->
         todo = [_episodes(classes)[0]] + [e for e in todo if e["label"] not in done]
         if len(todo) == 1:
             break
-    return {"episodes": episodes, "deaths": deaths, "runs": runs}
+    return {"episodes": episodes, "deaths": deaths, "runs": runs, "probes": {p["rid"]: p for p in probes}}
 
 
 def _base(page_size: int, mode: str, overlap: bool = True) -> dict:
@@ -103,10 +104,16 @@ def check16(tmp_path_factory):
     return _run_engine(tmp_path_factory, "check16", _base(16, "check"), CLASSES, soak=True)
 
 
+# After the episodes, on the page-size-1 engine (where SGLang 0.5.23 serves beam search): a beam-search request,
+# turned away per request (kvguard does not follow a beam group's rows), then a plain one, served.
+PROBES = [{"rid": "beam", "new": 4, "params": {"beam_width": 2, "n": 1}}, {"rid": "plain", "new": 4}]
+
+
 @pytest.fixture(scope="module")
 def check1(tmp_path_factory):
     # page size 1 runs SGLang's normal (non-overlap) event loop: both loops' abort paths are covered
-    return _run_engine(tmp_path_factory, "check1", _base(1, "check", overlap=False), CLASSES_PS1)
+    return _run_engine(tmp_path_factory, "check1", {**_base(1, "check", overlap=False), "probes": PROBES},
+                       CLASSES_PS1)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +212,15 @@ def test_clean_soak_page16_no_false_aborts(check16):
         _assert_balanced(check16, ep)
     steps = soaks[-1]["idle_check"]["decode_steps"] - _episode(check16, "clean")["idle_check"]["decode_steps"]
     assert steps >= 1000, f"only {steps} decode batches"
+
+
+def test_a_beam_search_request_is_refused_and_the_others_served(check1):
+    """Beam search is turned on per request: with KVGUARD_MODE=check, SGLang's own beam validation turns such a
+    request away with kvguard's reason (before any of its KV is written); a plain request on the same server,
+    after it, is served."""
+    beam, plain = check1["probes"].get("beam"), check1["probes"].get("plain")
+    assert beam is not None and plain is not None, f"the probes never ran: {check1['deaths']}"
+    error = beam["error"] or ""
+    assert "beam search" in error and "kvguard does not check" in error and "append_beam_tail" in error, beam
+    assert not beam["output_ids"], beam
+    assert plain["error"] is None and len(plain["output_ids"]) == 4, plain
