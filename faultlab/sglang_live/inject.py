@@ -41,7 +41,9 @@ Environment
     ``{"event": "idle_check", ...}`` lines (on change, or at most every 0.3 s), with the request-row pool
     counts, the number of duplicate pages in the allocator's free list, and what the scheduler ran so far
     (``decode_steps``; ``chunk_continuations``: extends of a request that already held KV, i.e. a chunked
-    prefill's later chunks; ``mixed_batches``: prefill batches mixed with the running decodes). Implied by a fault plan.
+    prefill's later chunks; ``mixed_batches``: prefill batches mixed with the running decodes); and every
+    request SGLang retracts (``ScheduleBatch.retract_decode``) as ``{"event": "retract", "rid", "label", "aborted"}``.
+    Implied by a fault plan.
 
 When the faults strike
 ----------------------
@@ -139,7 +141,7 @@ from .plan import (
     PlanError,
     parse_plan,
 )
-from .runtime import State, log
+from .runtime import State, label_of, log
 
 _SRT = "sglang.srt"
 TARGETS = {
@@ -151,6 +153,7 @@ TARGETS = {
     "commit_transfer": f"{_SRT}.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
     "check_all_pools": f"{_SRT}.managers.scheduler_components.invariant_checker."
                        "SchedulerInvariantChecker._check_all_pools",
+    "retract_decode": f"{_SRT}.managers.schedule_batch.ScheduleBatch.retract_decode",
 }
 
 
@@ -187,6 +190,7 @@ def register(env=None) -> bool:
                               HookType.AFTER)
     if accounting:
         HookRegistry.register(TARGETS["check_all_pools"], _after_check_all_pools, HookType.AFTER)
+        HookRegistry.register(TARGETS["retract_decode"], _after_retract_decode, HookType.AFTER)
     if plan:
         HookRegistry.register(TARGETS["prepare_for_decode"], strikes.before_prepare_for_decode, HookType.BEFORE)
         HookRegistry.register(TARGETS["alloc_for_extend"], strikes.around_alloc_for_extend, HookType.AROUND)
@@ -233,6 +237,13 @@ def _reinit(model, std: float):
 # ------------------------------------------------------------------------------------------------
 # Accounting (SGLang's own idle check, observed)
 # ------------------------------------------------------------------------------------------------
+def _after_retract_decode(result, batch, *args, **kwargs):
+    retracted, _, aborted = result
+    for req in list(retracted) + list(aborted):  # one line per request, under its episode's label
+        log("retract", rid=str(req.rid), label=label_of(str(req.rid)), aborted=req in aborted)
+    return None
+
+
 def _after_check_all_pools(result, checker, *args, **kwargs):
     import torch
 

@@ -79,6 +79,7 @@ class PoolFollower:
         self._warned: set[str] = set()
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
+        self.retracting = False  # inside SGLang's retract_decode: its releases free only legitimate pages
         self._fresh: torch.Tensor | None = None  # tags of the last allocation's slots, allocation order
         # While SGLang allocates a decode step (defer_bump, set around that one call): its pages are bumped by
         # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.

@@ -81,6 +81,10 @@ PATHS: tuple[Path, ...] = (
          f"{_LIVE} (page 1)", lambda f: not f.overlap),
     Path("radix_cache", CHECKED, "default (disable_radix_cache=False)",
          "prefix pages expect the tag the tree adopted them with (checkpoint)", _LIVE, lambda f: f.radix),
+    Path("retraction", CHECKED, "the KV pool running out during decode (any server; SGLANG_TEST_RETRACT=1 forces it)",
+         "a retracted request is released through kvguard's safe release (only the pages it legitimately holds: its "
+         "row was last checked a step before), then recorded again when SGLang readmits it (alloc_for_extend)",
+         "tests/test_faultlab/test_sglang_live/test_sglang_retract.py", lambda f: True),
     Path("chunked_prefill", CHECKED, "chunked_prefill_size > 0",
          "a continuing chunk keeps its recorded prefix entries", _PATHS_TEST, lambda f: f.chunked),
     Path("mixed_chunk", CHECKED, "enable_mixed_chunk=True",

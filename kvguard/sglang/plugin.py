@@ -19,8 +19,10 @@ target                                                             type    what 
                                                                            stale request writes the padding
                                                                            row, never its old row; arm the
                                                                            decode check, guard its write slots
-``mem_cache.common.release_kv_cache``                              AROUND  an aborted request frees only
-                                                                           the pages it legitimately holds
+``mem_cache.common.release_kv_cache``                              AROUND  an aborted or retracted request
+                                                                           frees only the pages it
+                                                                           legitimately holds
+``managers.schedule_batch.ScheduleBatch.retract_decode``           AROUND  mark the retraction's releases
 ``managers.schedule_batch.ScheduleBatch.prepare_for_extend``       AFTER   check the extend batch, guard
                                                                            its write slots
 ``managers.schedule_batch.ScheduleBatch.copy``                     AFTER   carry the check (overlap)
@@ -77,6 +79,7 @@ TARGETS = {
     "alloc_for_extend": f"{_SRT}.mem_cache.allocation.alloc_for_extend",
     "alloc_for_decode": f"{_SRT}.mem_cache.allocation.alloc_for_decode",
     "release_kv_cache": f"{_SRT}.mem_cache.common.release_kv_cache",
+    "retract_decode": f"{_BATCH}.retract_decode",
     "prepare_for_extend": f"{_BATCH}.prepare_for_extend",
     "batch_copy": f"{_BATCH}.copy",
     "mix_with_running": f"{_BATCH}.mix_with_running",
@@ -153,6 +156,7 @@ def hooks() -> dict[str, tuple]:
         "alloc_for_extend": (_around_alloc_for_extend, "AROUND"),
         "alloc_for_decode": (_around_alloc_for_decode, "AROUND"),
         "release_kv_cache": (_around_release_kv_cache, "AROUND"),
+        "retract_decode": (_around_retract_decode, "AROUND"),
         "prepare_for_extend": (_after_prepare_for_extend, "AFTER"),
         "batch_copy": (_after_batch_copy, "AFTER"),
         "mix_with_running": (_around_mix_with_running, "AROUND"),
@@ -510,16 +514,36 @@ def _decoder_only(guard, batch, token_per_req: int) -> None:
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     # NOTE: SGLang frees [cache_protected_len, owned) as named by the request's req_to_token row. For a
     # request kvguard aborted, that row is what is broken: its bad entries name other requests' pages,
-    # tree pages or pages already freed. Only the pages it still legitimately holds go back.
+    # tree pages or pages already freed. Only the pages it still legitimately holds go back. The same for a
+    # request SGLang retracts (_around_retract_decode): its row was last checked a step ago.
     guard = guard_of(tree_cache)
     if guard is not None:
         guard.tracker.flush_metrics()  # the counters are exact whenever no request runs (TagTracker.count_check)
-    if guard is None or not getattr(req, "kvguard_aborted", False):
+    if guard is None or not (guard.retracting or getattr(req, "kvguard_aborted", False)):
         return original(req, tree_cache, *args, **kwargs)
     if getattr(req, "kvguard_stale", False):
         return guard.release_stale(req, tree_cache)  # SGLang's release would free another request's row
     with guard.releasing(req):
         return original(req, tree_cache, *args, **kwargs)
+
+
+def _around_retract_decode(original, batch, *args, **kwargs):
+    # NOTE: SGLang retracts decode requests when the KV pool runs out (and every few steps under
+    # SGLANG_TEST_RETRACT): it releases them through their req_to_token rows in update_running_batch, before this
+    # step's check reads those rows. A row broken since its last check would free pages other requests still
+    # map and keep its own (measured on the CPU, swapped entries: one page leaked, and SGLang's strict idle check
+    # stopped the server). While it retracts, each release frees exactly the pages the request legitimately
+    # holds, which for an intact row are the pages its row names (one device read per retracted request, only
+    # when SGLang retracts). The request is recomputed from its tokens when readmitted (alloc_for_extend records
+    # it again); what its broken row named is caught at the owners' next check.
+    guard = _guard_of_batch(batch)
+    if guard is None:
+        return original(batch, *args, **kwargs)
+    guard.retracting = True
+    try:
+        return original(batch, *args, **kwargs)
+    finally:
+        guard.retracting = False
 
 
 def unchecked(path: str) -> RuntimeError:
