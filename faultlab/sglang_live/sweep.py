@@ -3,7 +3,8 @@
     python -m faultlab.sglang_live.sweep --seeds 2-7 --out out/sglang_sweep.json
 
 Configurations: page size 16 and 1, SGLang's overlap and normal event loops, radix cache on; plus page
-size 16 with the radix cache off. Each engine runs a fault-free episode first, then every class
+size 16 with the radix cache off (``--retract``: SGLang retracts decode requests every few steps, its
+``SGLANG_TEST_RETRACT``, as under a full KV pool). Each engine runs a fault-free episode first, then every class
 (``in_page_entry`` at page size > 1 only) for every seed, all with ``KVGUARD_MODE=check`` unless
 ``--mode`` says otherwise. An episode is *exact* when exactly the injector's victims got an error, every
 other request's tokens equal the fault-free episode's, and SGLang's idle accounting is balanced after it.
@@ -32,17 +33,23 @@ CONFIGS = [  # (name, page size, overlap, radix)
 
 
 def judge(ep: dict, clean: dict) -> list[str]:
-    """What is wrong with one episode (empty: exact)."""
+    """What is wrong with one episode (empty: exact).
+
+    Exact: the requests with an error are the injector's victims, except a victim SGLang retracted after the fault
+    (``retract`` lines: its KV was recomputed from its tokens before its broken mapping was read), which must then
+    return the fault-free tokens like any other request."""
     problems = []
     victims = set(ep["victims"])
     errors = {r["rid"] for r in ep["requests"] if r["error"]}
+    cured = {e["rid"] for e in ep.get("events", []) if e["event"] == "retract"} & victims - errors
     if ep["fault"] and not victims:
         problems.append("the injector reports no victim")
-    if errors != victims:
+    if errors != victims - cured:
         problems.append(f"errors {sorted(errors)} != victims {sorted(victims)}")
     ref = {r["rid"].split("-", 1)[1]: r["output_ids"] for r in clean["requests"]}
     wrong = sorted(r["rid"] for r in ep["requests"]
-                   if r["rid"] not in victims and r["output_ids"] != ref[r["rid"].split("-", 1)[1]])
+                   if (r["rid"] not in victims or r["rid"] in cured)
+                   and r["output_ids"] != ref[r["rid"].split("-", 1)[1]])
     if wrong:
         problems.append(f"non-victims' tokens differ: {wrong}")
     if not (ep.get("idle_check") or {}).get("balanced"):
@@ -79,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--config", action="append", choices=[c[0] for c in CONFIGS],
                     help="run only these configurations (repeatable; default all)")
+    ap.add_argument("--retract", action="store_true",
+                    help="SGLang retracts decode requests every few steps (SGLANG_TEST_RETRACT=1), as with a full KV pool")
     ap.add_argument("--out", required=True, help="raw JSON results")
     args = ap.parse_args(argv)
     seeds = _seeds(args.seeds)
@@ -89,16 +98,17 @@ def main(argv=None) -> int:
         print(f"sweep: error: {err}", file=sys.stderr)
         return 2
     classes = list(EPISODE_CLASSES)
-    report, bad = {"seeds": seeds, "mode": args.mode, "configs": {}}, 0
+    report, bad = {"seeds": seeds, "mode": args.mode, "retract": args.retract, "configs": {}}, 0
     tmp = tempfile.mkdtemp(prefix="faultlab_sweep_")
     for name, ps, overlap, radix in configs:
         todo = [{"label": "clean", "fault": None}] + [
             {"label": f"{c.replace('_', '')}{s}", "fault": c, "seed": s}
             for s in seeds for c in classes if not (c == "in_page_entry" and ps == 1)]
-        episodes, deaths, t0 = {}, [], time.time()
+        episodes, deaths, why, t0 = {}, [], {}, time.time()
         while len(todo) > 1:
             spec = {"device": args.device, "page_size": ps, "overlap": overlap, "radix": radix,
-                    "env": {"KVGUARD_MODE": args.mode}, "episodes": todo}
+                    "env": {"KVGUARD_MODE": args.mode, **({"SGLANG_TEST_RETRACT": "1"} if args.retract else {})},
+                    "episodes": todo}
             spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
@@ -116,6 +126,7 @@ def main(argv=None) -> int:
                 break
             died = (result.get("died") or {}).get("during") or result.get("current")
             deaths.append(died)
+            why[str(died)] = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "kvguard" in ln][-6:]
             todo = todo[:1] + [e for e in todo if e["label"] not in episodes and e["label"] != died]
         clean = episodes["clean"]
         verdicts = {label: judge(ep, clean) for label, ep in episodes.items()}
@@ -124,6 +135,7 @@ def main(argv=None) -> int:
         wrong = {k: v for k, v in verdicts.items() if v}
         bad += len(wrong)
         report["configs"][name] = {"page_size": ps, "overlap": overlap, "radix": radix, "deaths": deaths,
+                                   "death_errors": why,
                                    "seconds": time.time() - t0, "verdicts": verdicts, "episodes": episodes}
         print(f"{name}: {len(verdicts) - 1} fault episodes, {len(verdicts) - 1 - len(wrong)} exact, "
               f"{len(deaths)} server deaths, {time.time() - t0:.0f} s" + "".join(

@@ -101,6 +101,20 @@ def test_sweep_judge_names_each_way_an_episode_can_be_wrong():
     assert judge(_ep("stale_row", [], [[1, 2], [3, 4]]), clean) == ["the injector reports no victim"]
 
 
+def test_sweep_judge_lets_a_retracted_victim_go_unaborted_only_with_fault_free_tokens():
+    """SGLang recomputes a retracted request's KV from its tokens: a victim it retracted after the fault may finish
+    without an error, with the fault-free tokens; a victim nobody retracted and nobody aborted is a miss."""
+    from faultlab.sglang_live.sweep import judge
+
+    clean = _ep(None, [], [[1, 2], [3, 4]])
+    retracted = {"events": [{"event": "retract", "rid": "x-a0"}]}
+    assert judge({**_ep("index_shift", ["x-a0"], [[1, 2], [3, 4]]), **retracted}, clean) == []
+    assert "tokens differ: ['x-a0']" in judge({**_ep("index_shift", ["x-a0"], [[1, 9], [3, 4]]), **retracted},
+                                              clean)[0]
+    assert "errors" in judge({**_ep("index_shift", ["x-a1"], [[1, 2], [3, 4]]), **retracted}, clean)[0]
+    assert judge({**_ep("index_shift", ["x-a0"], [None, [3, 4]], errors=["x-a0"]), **retracted}, clean) == []
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--seeds", "x"], "--seeds"), (["--seeds", "5-2"], "--seeds"), (["--out", "/nonexistent-dir/x.json"], "--out"),
 ])
