@@ -59,9 +59,9 @@ WORKLOAD = {"n1": 4, "n2": 2, "prefix": 40, "new1": 32, "new2": 12, "seed": 0, "
 # cache was flushed (SGLang's flush_cache: the allocator's free list restarts sorted, so wave 2 gets the
 # pages wave 1 held, first pages first)
 WAVE2 = ("armed", "finished", "flushed")
-# PD-disaggregated decode on SGLang's fake transfer backend (the configuration kvguard checks)
+# PD-disaggregated decode on SGLang's fake transfer backend, no retraction backup (the configuration kvguard checks)
 PD_ENGINE = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake",
-             "disaggregation_decode_retraction_backup": "cpu_tensor"}
+             "disaggregation_decode_retraction_backup": "none"}
 
 
 def write_model(directory: str, overrides: dict | None = None) -> str:

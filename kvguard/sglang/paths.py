@@ -51,6 +51,7 @@ class Facts:
     dcp_size: int = 1
     attn_cp_size: int = 1
     decode_kv_offload: bool = False
+    decode_retraction_backup: str | None = None  # PD decode: where a retracted request's KV is kept (None: inferred)
     flexkv: bool = False
     radix_cache_backend: str | None = None
     external_cache_linker: bool = False
@@ -149,6 +150,12 @@ PATHS: tuple[Path, ...] = (
     Path("pd_decode_kv_offload", REFUSED, "disaggregation_decode_enable_offload_kvcache=True",
          "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
          lambda f: f.decode_kv_offload),
+    Path("pd_decode_retraction_backup", REFUSED,
+         "disaggregation_mode=decode without disaggregation_decode_retraction_backup=none (SGLang infers a backup)",
+         "a retracted request's KV is copied to the host through its req_to_token row, unchecked since the step "
+         "before, and restored later into new pages, where its mapping is intact: a row broken in between would "
+         "restore another request's KV unseen (with 'none' a retracted PD request is turned away with HTTP 503)", "",
+         lambda f: f.disaggregation_mode == "decode" and f.decode_retraction_backup != "none"),
     Path("flexkv", REFUSED, "enable_flexkv=True",
          "FlexKVRadixCache allocates slots in match_prefix / init_load_back, loads FlexKV's stored KV into them and "
          "hangs them on the tree as a new node, outside the tree checkpoint, so their expectations are not recorded",
@@ -235,6 +242,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         dcp_size=int(_get(server_args, "dcp_size", 1)),
         attn_cp_size=int(_get(server_args, "attn_cp_size", 1)),
         decode_kv_offload=bool(_get(server_args, "disaggregation_decode_enable_offload_kvcache", False)),
+        decode_retraction_backup=None if _get(server_args, "disaggregation_decode_retraction_backup") is None
+        else str(_get(server_args, "disaggregation_decode_retraction_backup")),
         flexkv=bool(_get(server_args, "enable_flexkv", False)),
         radix_cache_backend=None if _get(server_args, "radix_cache_backend") in (None, "")
         else str(_get(server_args, "radix_cache_backend")),

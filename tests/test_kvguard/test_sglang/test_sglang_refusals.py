@@ -49,6 +49,8 @@ REFUSED_FACTS = {
     "attention_context_parallel": (Facts(attn_cp_size=2), {"attn_cp_size": 2, "tp_size": 2}),
     "pd_decode_kv_offload": (Facts(disaggregation_mode="decode", transfer_backend="fake", decode_kv_offload=True),
                              None),  # SGLang needs a HiCache storage backend for it
+    "pd_decode_retraction_backup": (Facts(disaggregation_mode="decode", transfer_backend="fake",
+                                          decode_retraction_backup="cpu_tensor"), None),
     "flexkv": (Facts(flexkv=True), {"enable_flexkv": True}),
     "radix_cache_backend": (Facts(radix_cache_backend="flexkv"), {"radix_cache_backend": "flexkv"}),
     "unified_cache_external_linker": (Facts(external_cache_linker=True),
@@ -76,8 +78,8 @@ def test_a_refused_path_is_named_in_the_refusal(name):
 
 def test_the_default_configuration_is_served():
     assert refusal(Facts()) is None
-    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="fake", tp_size=2, mla=True,
-                         mixed_chunk=True, overlap=False)) is None
+    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="fake", decode_retraction_backup="none",
+                         tp_size=2, mla=True, mixed_chunk=True, overlap=False)) is None
 
 
 def test_docs_coverage_table_is_the_registry():
