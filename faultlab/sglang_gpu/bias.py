@@ -15,8 +15,9 @@ import time
 
 def calibrate(prof, calls: int = 2000, rounds: int = 5) -> dict:
     """The profiler's own seconds per timed call, by kind: a hook that only calls SGLang's code (``around``) or
-    returns (``plain``), timed as every hook is, less the same hook called bare; the lowest of ``rounds`` rounds of
-    ``calls`` (a shared host's noise only adds). Sets ``prof.bias``; leaves no count behind.
+    returns (``plain``), timed as every hook is, less the same hook called bare; each of the two the lowest of
+    ``rounds`` rounds of ``calls`` (a shared host's noise only adds, to either: the lowest of their differences
+    would take a round whose bare loop was slowed and err low, to 0). Sets ``prof.bias``; leaves no count behind.
 
     Measured warm, in a loop: inside a real step the profiler's code runs colder, so the net figures err high
     (they keep some of the profiler's time), never low."""
@@ -32,17 +33,17 @@ def calibrate(prof, calls: int = 2000, rounds: int = 5) -> dict:
     out = {}
     for kind, hook, args in (("around", around_hook, (original, 1)), ("plain", plain_hook, (1,))):
         timed = prof.timed("calibrate", hook, around=kind == "around")
-        best = math.inf
+        bare = charged = math.inf
         for _ in range(rounds):
             prof.per_fn.pop("calibrate", None)
             t = time.perf_counter()
             for _ in range(calls):
                 hook(*args)
-            bare = (time.perf_counter() - t) / calls
+            bare = min(bare, (time.perf_counter() - t) / calls)
             for _ in range(calls):
                 timed(*args)
-            best = min(best, prof.per_fn["calibrate"][1] / calls - bare)
-        out[kind] = max(0.0, best)
+            charged = min(charged, prof.per_fn["calibrate"][1] / calls)
+        out[kind] = max(0.0, charged - bare)
     prof.per_fn.pop("calibrate", None)
     prof.acc = prof.bias_acc = 0.0
     prof.bias = out
