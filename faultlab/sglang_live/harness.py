@@ -245,6 +245,7 @@ def run(spec: dict, out_path: str) -> int:
             result["episodes"].append(record)
             _finish_record(record, log_path)
             save()  # what the clients got, before the idle check that may kill the server
+            engine.get_server_info()  # wakes a scheduler asleep on idle: its next idle check is logged (inject.py)
             idle = None
             while time.time() - end < 10:
                 idle = next((e for e in _read_log(log_path)[::-1]

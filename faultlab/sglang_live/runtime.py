@@ -18,6 +18,7 @@ class State:
     lock = threading.Lock()
     last_idle: Any = None
     last_idle_time: float = 0.0
+    idle_wanted = False  # the scheduler received something since the last idle_check line: log the next one
     registered = False
     decode_steps = 0  # decode batches prepared in this process (reported on idle_check lines)
     chunk_continuations = 0  # extends of a request that already held KV (a chunked prefill's next chunk)

@@ -168,6 +168,9 @@ def _run_episode(server: Server, log_path: str, label: str, model: str) -> dict:
     t = time.time()
     outs, armed, seen = asyncio.run(go())
     end = time.time()
+    import requests
+
+    requests.get(f"{server.url}/server_info", timeout=30)  # wakes a scheduler asleep on idle: its idle check is logged
     record = {"label": label, "armed": armed, "requests": outs, "seen": seen, "seconds": end - t}
     record["idle_check"] = _idle_check_after(log_path, end)
     harness._finish_record(record, log_path)  # the injector's events of this label, and its victims
