@@ -484,6 +484,11 @@ class PoolFollower:
             return []
         return sorted(set(self.tracker.held_pages(int(row), first, end).tolist()))
 
+    def follows(self, req) -> bool:
+        """kvguard recorded this request's row, so the tracker knows its pages (its safe release can free them)."""
+        row = req.kv.req_pool_idx
+        return row is not None and 0 <= int(row) < self.known.numel() and bool(self.known[int(row)])
+
     @contextlib.contextmanager
     def releasing(self, req):
         """While SGLang releases an aborted request: free exactly the pages it still legitimately holds.

@@ -519,18 +519,12 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     guard = guard_of(tree_cache)
     if guard is not None:
         guard.tracker.flush_metrics()  # the counters are exact whenever no request runs (TagTracker.count_check)
-    if guard is None or not (getattr(req, "kvguard_aborted", False) or guard.retracting and _followed(guard, req)):
+    if guard is None or not (getattr(req, "kvguard_aborted", False) or guard.retracting and guard.follows(req)):
         return original(req, tree_cache, *args, **kwargs)
     if getattr(req, "kvguard_stale", False):
         return guard.release_stale(req, tree_cache)  # SGLang's release would free another request's row
     with guard.releasing(req):
         return original(req, tree_cache, *args, **kwargs)
-
-
-def _followed(guard, req) -> bool:
-    """kvguard recorded this request's row (its pages are known to the tracker): its safe release can free them."""
-    row = req.kv.req_pool_idx
-    return row is not None and 0 <= int(row) < guard.known.numel() and bool(guard.known[int(row)])
 
 
 def _around_retract_decode(original, batch, *args, **kwargs):
