@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--interleave", type=_block, default=0, metavar="B",
                       help="one engine instance; in each run the per-step check is on and off in alternate blocks of B "
                            "decode steps, in a seeded random order (--reps: runs per concurrency)")
+    p.add_argument("--tp-path", action="store_true",
+                   help="kvguard serves its attention-TP path (eager check, device all-reduce of the verdict) over "
+                        "SGLang's one-rank groups: that path's host cost on one GPU (faultlab.sglang_gpu.probes)")
     p.add_argument("--warmup-tokens", type=_warmup_tokens, default=8,
                    help="before each concurrency's pairs: one unmeasured run of it with this many output tokens on "
                         "each engine (its first prefill of that shape is not in a pair); 0: none")

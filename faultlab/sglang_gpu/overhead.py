@@ -35,6 +35,7 @@ from faultlab.sglang_gpu.common import (
     vocab_of,
 )
 from faultlab.sglang_gpu import interleave
+from faultlab.sglang_gpu.probes import TP_PATH_ENV
 from faultlab.sglang_gpu.profiler import IDLE_S, SWITCH_ENV, SWITCH_PERIOD_S, TIMING_ENV
 from faultlab.sglang_gpu.workload import METRICS, compare, pct
 
@@ -55,15 +56,16 @@ def cmd_overhead(a) -> None:
     kw.update(json.loads(a.overrides))
     overlap = not kw.get("disable_overlap_schedule", False)
     switch_path = os.path.join(a.out, "kvguard_switch") if a.switch else None
+    tp_path = {TP_PATH_ENV: "1"} if a.tp_path else {}
     if a.interleave:
         specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path,
-                            interleave.INTERLEAVE_ENV: f"{a.interleave}:{a.seed}"}, kw)]
+                            interleave.INTERLEAVE_ENV: f"{a.interleave}:{a.seed}", **tp_path}, kw)]
     elif a.switch:
         _flip(switch_path, "check")
-        specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path, SWITCH_ENV: switch_path}, kw)]
+        specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path, SWITCH_ENV: switch_path, **tp_path}, kw)]
     else:
         specs = [("off", {"KVGUARD_MODE": "off"}, kw),
-                 ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path}, kw)]
+                 ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path, **tp_path}, kw)]
     result = {"command": command_line(a), "switch": bool(a.switch), "interleave": a.interleave,
               "environment": environment(), "engine_kwargs": kw, "reps": reps,
               "input_len": a.input_len, "output_len": a.output_len, "page_size": a.page_size}
@@ -117,7 +119,7 @@ def cmd_overhead(a) -> None:
                         f"{res['ttft_p99']:.3f} s  wall {res['wall_s']:.2f} s  errors {res['errors']}")
             all_runs += [slim(x) for x in runs]
             rows.append({"concurrency": c, "page_size": a.page_size, "input_len": a.input_len,
-                         "output_len": a.output_len, "overlap": overlap, "tp": a.tp,
+                         "output_len": a.output_len, "overlap": overlap, "tp": a.tp, "tp_path": a.tp > 1 or a.tp_path,
                          **({} if a.interleave else compare(runs))})
             if not a.interleave:
                 log(f"c={c}: throughput x{rows[-1]['throughput_ratio']:.4f} (A/A x{rows[-1]['aa_throughput_ratio']:.4f}), "

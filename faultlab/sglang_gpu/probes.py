@@ -15,6 +15,7 @@ from faultlab.sglang_gpu.profiler import register_timing
 
 FAULT_RANK_ENV = "KVGUARD_BENCH_FAULT_RANK"  # only this TP rank runs faultlab's injector hooks
 ABORT_LOG_ENV = "KVGUARD_BENCH_ABORT_LOG"  # JSON lines: every rank's kvguard aborts (rank, rid, message)
+TP_PATH_ENV = "KVGUARD_BENCH_TP_PATH"  # "1": kvguard serves its attention-TP path over SGLang's one-rank groups
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,7 +86,40 @@ def register_tp_probes() -> None:
         du.prepare_abort = prepare_abort
 
 
+def register_tp_path() -> None:
+    """``KVGUARD_BENCH_TP_PATH=1`` (``overhead --tp-path``): kvguard's attention-TP path at one rank.
+
+    kvguard takes its TP path when the attention-TP group has two or more ranks: the decode check launched as
+    each batch is prepared (not captured into SGLang's decode graphs), its verdict all-reduced on the device
+    group and read with the step's result. With one GPU there is no second rank, so this serves that path over
+    the one-rank groups SGLang creates at TP 1 (kvguard's own lookup, ``kvguard.sglang.plugin._attn_tp``, takes
+    one rank for none): the host work per step is the TP path's, an all-reduce over one rank included (its
+    launch, not a peer's wait). A stand-in for measuring the path's host cost, not a TP run.
+    """
+    if os.environ.get(TP_PATH_ENV) != "1":
+        return
+    import torch
+
+    import kvguard.sglang.plugin as plugin
+
+    def attn_tp_one_rank() -> tuple:
+        if plugin._GROUP:
+            return plugin._GROUP[0]
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None, None  # not yet: looked up again later
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        coordinator = get_attn_tp_group()
+        groups = (coordinator.cpu_group, coordinator.device_group)
+        plugin._GROUP.append(groups)
+        plugin._ONE_RANK = False
+        return groups
+
+    plugin._attn_tp = attn_tp_one_rank
+
+
 def register_bench() -> None:
     """The ``kvguard_bench`` entry point: the profiler and the TP probes (each off without its variable)."""
     register_timing()
     register_tp_probes()
+    register_tp_path()

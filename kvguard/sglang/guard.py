@@ -52,6 +52,7 @@ class Pending:
     # A captured check with nothing stale: (its result words, the index and the word that say it ran clean), as
     # GraphCheck.clean_cell gives them, compared by the verdict's hook without a call
     clean: tuple | None = None
+    group: Any = None  # attention TP: the device group the launch all-reduces the verdict over (None: one rank)
 
 
 class SGLangGuard(PoolFollower):
@@ -92,7 +93,8 @@ class SGLangGuard(PoolFollower):
 
         ``device_group`` (attention TP of two or more ranks): the ranks agree on the stream, with one
         MAX all-reduce of the verdict (stale requests counted in) on the device group, copied to the host
-        beside the flag; no CPU collective per step.
+        beside the flag; no CPU collective per step. A decode step's check is armed and fired as on one rank
+        (no graph carries it: :meth:`fire` all-reduces right after its launch, :meth:`VerdictRing.agree`).
 
         ``out``: the batch's write slots (default ``batch.out_cache_loc``); ``ahead``: tokens the batch's lengths
         do not count yet (1 for a decode step armed inside its prepare_for_decode, before SGLang counts the step's
@@ -100,11 +102,11 @@ class SGLangGuard(PoolFollower):
         """
         rows_ = self.batch_rows(batch)
         out = batch.out_cache_loc if out is None else out
-        if rows_.all_known and device_group is None and out is not None and out.numel() == len(batch.reqs):
+        if rows_.all_known and out is not None and out.numel() == len(batch.reqs):
             # The decode step (the steady state), or an extend of one token each. A decode step's check is
             # deferred: launched by the forward that runs this batch (captured in SGLang's decode graph:
             # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
-            pending = self._arm(batch, rows_, out, flags)
+            pending = self._arm(batch, rows_, out, flags, device_group)
             if not (self.defer and batch.forward_mode == self.decode_mode):
                 self.fire(pending, batch.req_pool_indices, _device_lengths(batch, ahead), out, ahead)
             return pending
@@ -145,26 +147,28 @@ class SGLangGuard(PoolFollower):
         batch._kvguard = pending
         return pending
 
-    def arm_decode(self, batch, out, flags) -> Pending | None:
-        """A decode step on one rank, inside its ``alloc_for_decode`` (``out``: its write slots; ``flags``: its
-        stale flags): armed for the forward that runs it, as :meth:`launch` with ``ahead=1`` arms it, without
-        :meth:`launch`'s general cases on the steady path (one call per decode step)."""
+    def arm_decode(self, batch, out, flags, device_group=None) -> Pending | None:
+        """A decode step, inside its ``alloc_for_decode`` (``out``: its write slots; ``flags``: its stale flags;
+        ``device_group``: attention TP's, or None on one rank): armed for the forward that runs it, as
+        :meth:`launch` with ``ahead=1`` arms it, without :meth:`launch`'s general cases on the steady path (one
+        call per decode step)."""
         rows_ = self.batch_rows(batch)
         if rows_.all_known and self.defer and out is not None and out.numel() == rows_.n \
                 and batch.forward_mode == self.decode_mode:
-            return self._arm(batch, rows_, out, flags)
-        return self.launch(batch, None, out, 1, flags)
+            return self._arm(batch, rows_, out, flags, device_group)
+        return self.launch(batch, device_group, out, 1, flags)
 
-    def _arm(self, batch, rows_, out, flags=None) -> Pending:
+    def _arm(self, batch, rows_, out, flags=None, device_group=None) -> Pending:
         """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
         row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
-        SGLang copies the slots anywhere."""
+        SGLang copies the slots anywhere. ``device_group`` (attention TP): :meth:`fire` all-reduces the verdict
+        over it."""
         stale, any_stale = flags if flags is not None else self.stale_flags(batch)
         if any_stale:
             apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
         # (positional: Pending's fields in order, a per-step construction)
         pending = Pending(self, None, rows_.snapshot, -1, 0, stale, None, None, rows_.owner_dev,
-                          batch.req_pool_indices, None, batch, None, any_stale)
+                          batch.req_pool_indices, None, batch, None, any_stale, None, device_group)
         self.armed = batch._kvguard = pending
         return pending
 
@@ -182,6 +186,9 @@ class SGLangGuard(PoolFollower):
         with self.tracker.lock:
             pending.cells = bound(slot, table_rows, n_entries, out, max_entries, stamp)
         self.tracker.count_check(total)
+        if pending.group is not None:  # attention TP: every rank fires this step's check; all agree on it
+            pending.agreed = ring.agree(slot, pending.cells, len(pending.reqs),
+                                        pending.stale if pending.any_stale else None, pending.group)
         ring.copy_flag(slot)
         pending.slot, pending.stamp = slot, stamp
         pending.ready = ring.record(slot) if ring.use_events else None
@@ -336,10 +343,10 @@ class SGLangGuard(PoolFollower):
             raise RuntimeError(message)
         else:
             flagged = self._ring.flagged(pending.slot, pending.stamp)
-        agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
-        if not flagged and not pending.any_stale and (agreed is None and group is None or
-                                                       agreed is not None and not bool(agreed.any())):
+        if not flagged and not pending.any_stale and (pending.agreed is None and group is None or
+                                                       pending.agreed is not None and not pending.agreed.any()):
             return []  # the steady state: nothing flagged here or on any rank
+        agreed = None if pending.agreed is None else (pending.agreed.reshape(len(pending.reqs), -1) > 0).any(1)
         check = self.check_of(pending)
         verdict_host = check.verdict.cpu() if flagged else None  # rare: which requests
         rids = [str(req.rid) for req in pending.reqs]
@@ -527,6 +534,7 @@ class VerdictRing:
         self._index = cuda_index(device) if cuda else None
         self.use_events = False  # set by SGLangGuard.resolve when a result carries no copy_done to wait on
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
+        self._agree_dev = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
         self.turn, self.stamp = 0, 0
         self.bindings = 0  # bound launches built (once per batch composition; a benchmark reads it)
 
@@ -543,6 +551,24 @@ class VerdictRing:
             buf = self._agreed[slot] = torch.empty(1 << (need - 1).bit_length(), dtype=torch.int32,
                                                    pin_memory=self.device.type == "cuda")
         return buf[:need]
+
+    def agree(self, slot: int, cells: int, n: int, stale: list | None, group) -> torch.Tensor:
+        """Attention TP: the first ``cells`` of slot's verdict (``n`` requests' rows; ``stale``: per request, its row
+        went to a newer owner here, or None when none did) MAX all-reduced over the device ``group`` on the stream,
+        into a buffer of the slot's own, and copied to the slot's pinned host buffer (returned: read once the
+        forward's result is in). One collective per step, no host sync, no allocation in the steady state."""
+        mine = self._agree_dev[slot]
+        if mine.numel() < cells:
+            mine = self._agree_dev[slot] = torch.empty(1 << (cells - 1).bit_length(), dtype=torch.int32,
+                                                       device=self.device)
+        mine = mine[:cells]
+        mine.copy_(self._verdicts[slot][:cells])
+        if stale is not None:  # rare: a stale row here counts as a verdict every rank sees
+            mine.view(n, -1)[:, 0] += torch.tensor(stale, dtype=torch.int32).to(self.device, non_blocking=True)
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX, group=group)
+        host = self.agreed_host(slot, cells)
+        host.copy_(mine, non_blocking=True)
+        return host
 
     def verdict(self, slot: int, batch: int, max_entries: int) -> torch.Tensor:
         need = batch * n_chunks_for(max_entries)

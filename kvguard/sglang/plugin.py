@@ -445,11 +445,8 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     # Armed, not launched: the forward that runs the batch launches it (kvguard.sglang.plugin, the runners).
     # A decode batch that never passed here (a path that prepares decode its own way) is refused at its result.
     if batch.reqs:
-        device_group = None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[1]
-        if device_group is None:
-            guard.arm_decode(batch, out_cache_loc, flags)
-        else:
-            guard.launch(batch, device_group=device_group, out=out_cache_loc, ahead=1, flags=flags)
+        guard.arm_decode(batch, out_cache_loc, flags,
+                         None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[1])
     return out_cache_loc
 
 

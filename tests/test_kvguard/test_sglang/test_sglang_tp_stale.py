@@ -10,6 +10,7 @@ through SGLang's normal release. Afterwards both ranks' pools balance.
 """
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,7 +82,45 @@ def _broken_entry(rank: int) -> dict:
     return {"victim": str(victim.rid), "steps": results}
 
 
-SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry}
+def _broken_entry_at_forward(rank: int) -> dict:
+    """As :func:`_broken_entry`, with the decode check armed by SGLang's own prepare_for_decode (kvguard's hook)
+    and fired by the forward that runs the batch (an eager decode forward: ``fire_armed``), which all-reduces the
+    verdict over the ranks right after the launch; the verdict read as the result hook reads it."""
+    import kvguard.sglang.plugin as plugin
+
+    # kvguard's lookup of the attention-TP groups finds none here (the rig runs no SGLang model-parallel init):
+    # it is given this process group as SGLang's (CPU group, device group)
+    assert plugin._attn_tp() == (None, None) and plugin._ONE_RANK
+    plugin._GROUP[:], plugin._ONE_RANK = [(dist.group.WORLD, dist.group.WORLD)], False
+    try:
+        return _at_forward(rank)
+    finally:
+        plugin._GROUP[:], plugin._ONE_RANK = [(None, None)], True
+
+
+def _at_forward(rank: int) -> dict:
+    rig, guard = _rank_rig()
+    guard.defer = True  # as on a scheduler whose decode forwards all go through a runner kvguard hooks
+    batch = rig.running(40, 35, 20)
+    victim = batch.reqs[1]
+    results, fired = [], []
+    for step in range(3):
+        if rank == 1 and step == 1:
+            table = rig.req_to_token_pool.req_to_token
+            table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
+        batch.prepare_for_decode()  # kvguard's alloc_for_decode hook arms the check (attention TP: 2 ranks)
+        pending = batch._kvguard
+        fired.append([pending.slot, pending.group is dist.group.WORLD])  # slot -1: armed, not launched
+        guard.fire_armed(SimpleNamespace(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+                                         out_cache_loc=batch.out_cache_loc, batch_size=len(batch.reqs)))
+        flagged = guard.resolve(pending, group=dist.group.WORLD)
+        results.append([(str(r.rid), m) for r, m, _ in flagged])
+        fired[-1] += [pending.slot >= 0, pending.agreed is not None]
+        rig.sample(batch)
+    return {"victim": str(victim.rid), "steps": results, "armed": fired}
+
+
+SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry, "broken_entry_at_forward": _broken_entry_at_forward}
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -143,6 +182,17 @@ def test_ranks_agree_on_a_broken_entry_seen_by_one_rank(ranks):
         assert [rid for rid, _ in r["steps"][2]] in ([], [r["victim"]])  # still broken, or already gone
     assert "tag_mismatch" in r1["steps"][1][0][1] or "page" in r1["steps"][1][0][1]  # explained where it broke
     assert "peer tensor-parallel rank" in r0["steps"][1][0][1]  # the other rank aborts it too
+
+
+def test_ranks_agree_on_a_broken_entry_when_the_forward_fires_the_check(ranks):
+    r0, r1 = _of(ranks, "broken_entry_at_forward")
+    for r in (r0, r1):
+        # armed by the hook over the 2 ranks, launched by the forward, its verdict all-reduced on the device group
+        assert r["armed"] == [[-1, True, True, True]] * 3
+        assert r["steps"][0] == []
+        assert [rid for rid, _ in r["steps"][1]] == [r["victim"]]
+        assert [rid for rid, _ in r["steps"][2]] in ([], [r["victim"]])
+    assert "peer tensor-parallel rank" in r0["steps"][1][0][1] and "peer" not in r1["steps"][1][0][1]
 
 
 def test_ranks_agree_on_a_stale_row_seen_by_one_rank(ranks):
