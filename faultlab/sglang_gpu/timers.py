@@ -25,7 +25,7 @@ ENTRIES = {"TagTracker.on_free", "PoolFollower._filter", "TagTracker.expectation
 INNER_ENV = "KVGUARD_BENCH_INNER"
 INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_flags", "SGLangGuard._bound",
          "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts",
-         "BoundCheck.__call__", "VerdictRing.next"}
+         "BoundCheck.__call__", "VerdictRing.next", "VerdictRing.agree", "SGLangGuard.fire", "SGLangGuard._arm"}
 
 def _inner_on() -> bool:
     return os.environ.get(INNER_ENV, "0") not in ("", "0")
