@@ -1,6 +1,8 @@
 """Host time of the pieces of kvguard's attention-TP step on one GPU: a MAX all-reduce of a small int32 verdict
-over a one-rank NCCL group (torch.distributed, as kvguard's VerdictRing.agree calls it), the device copy before it
-and the pinned host copy after it. Prints p50/p99 microseconds per call (host time: no synchronize inside).
+over one rank, through kvguard's own NCCL communicator (kvguard.sglang.agree.VerdictAgreement: SGLang's NCCL
+bindings, one ctypes call) and, for comparison, through torch.distributed's NCCL process group; the device copy
+before it and the pinned host copy after it. Prints p50/p99 microseconds per call (host time: no synchronize
+inside). Needs SGLang on the path (bench/sglang_h200_setup.sh).
 
     python3 bench/allreduce_host_h200.py [--calls 2000] [--cells 576]
 """
@@ -45,8 +47,17 @@ def main() -> None:
 
     def direct():  # the process group's own allreduce, without torch.distributed's Python wrapper
         group.allreduce([dev], opts).wait()
+
+    from kvguard.sglang.agree import VerdictAgreement
+
+    agreement = VerdictAgreement(gloo, torch.device("cuda", 0))
+    dev.copy_(src)
+    agreement.max_(dev)
+    torch.cuda.synchronize()
+    assert torch.equal(dev, src), "one rank's MAX all-reduce changed the tensor"
     rows = {
         "copy_ (device)": lambda: dev.copy_(src),
+        "VerdictAgreement.max_ (kvguard's NCCL comm)": lambda: agreement.max_(dev),
         "all_reduce MAX (nccl, 1 rank, group)": lambda: dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=group),
         "all_reduce MAX (nccl, 1 rank, world)": lambda: dist.all_reduce(dev, op=dist.ReduceOp.MAX),
         "ProcessGroup.allreduce + wait (nccl, direct)": direct,

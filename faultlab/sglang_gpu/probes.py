@@ -90,32 +90,20 @@ def register_tp_path() -> None:
     """``KVGUARD_BENCH_TP_PATH=1`` (``overhead --tp-path``): kvguard's attention-TP path at one rank.
 
     kvguard takes its TP path when the attention-TP group has two or more ranks: the decode check launched as
-    each batch is prepared (not captured into SGLang's decode graphs), its verdict all-reduced on the device
-    group and read with the step's result. With one GPU there is no second rank, so this serves that path over
-    the one-rank groups SGLang creates at TP 1 (kvguard's own lookup, ``kvguard.sglang.plugin._attn_tp``, takes
-    one rank for none): the host work per step is the TP path's, an all-reduce over one rank included (its
-    launch, not a peer's wait). A stand-in for measuring the path's host cost, not a TP run.
+    each batch is prepared (not captured into SGLang's decode graphs), its verdict all-reduced across the ranks
+    over kvguard's own NCCL communicator and read with the step's result. With one GPU there is no second rank, so
+    this serves that path over the one-rank group SGLang creates at TP 1 (kvguard's lookup,
+    ``kvguard.sglang.plugin._attn_tp``, with ``min_ranks=1``): the host work per step is the TP path's, the
+    all-reduce's enqueue over a one-rank communicator included (not a peer's wait). A stand-in for measuring the
+    path's host cost, not a TP run.
     """
     if os.environ.get(TP_PATH_ENV) != "1":
         return
-    import torch
+    import functools
 
     import kvguard.sglang.plugin as plugin
 
-    def attn_tp_one_rank() -> tuple:
-        if plugin._GROUP:
-            return plugin._GROUP[0]
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return None, None  # not yet: looked up again later
-        from sglang.srt.distributed.parallel_state import get_attn_tp_group
-
-        coordinator = get_attn_tp_group()
-        groups = (coordinator.cpu_group, coordinator.device_group)
-        plugin._GROUP.append(groups)
-        plugin._ONE_RANK = False
-        return groups
-
-    plugin._attn_tp = attn_tp_one_rank
+    plugin._attn_tp = functools.partial(plugin._attn_tp, min_ranks=1)
 
 
 def register_bench() -> None:

@@ -52,7 +52,7 @@ class Pending:
     # A captured check with nothing stale: (its result words, the index and the word that say it ran clean), as
     # GraphCheck.clean_cell gives them, compared by the verdict's hook without a call
     clean: tuple | None = None
-    group: Any = None  # attention TP: the device group the launch all-reduces the verdict over (None: one rank)
+    group: Any = None  # attention TP: the VerdictAgreement the launch all-reduces the verdict with (None: one rank)
 
 
 class SGLangGuard(PoolFollower):
@@ -75,7 +75,7 @@ class SGLangGuard(PoolFollower):
         # read it here, without is_decode()'s method call and module lookup (microseconds each on a cold cache).
         self.decode_mode = ForwardMode.DECODE
 
-    def launch(self, batch, device_group=None, out=None, ahead: int = 0, flags=None) -> Pending | None:
+    def launch(self, batch, agreement=None, out=None, ahead: int = 0, flags=None) -> Pending | None:
         """Right before the forward: one batched validation of every token entry the batch maps.
 
         Every token ``t < seq_len`` of each request (the slot this step writes included: SGLang has
@@ -91,9 +91,9 @@ class SGLangGuard(PoolFollower):
         writes "anything bad?" straight into a pinned host cell (:meth:`resolve` reads it with the sampled ids)
         and the per-request verdict into a device buffer read only when that cell says so.
 
-        ``device_group`` (attention TP of two or more ranks): the ranks agree on the stream, with one
-        MAX all-reduce of the verdict (stale requests counted in) on the device group, copied to the host
-        beside the flag; no CPU collective per step. A decode step's check is armed and fired as on one rank
+        ``agreement`` (attention TP of two or more ranks: their :class:`kvguard.sglang.agree.VerdictAgreement`):
+        the ranks agree on the stream, with one MAX all-reduce of the verdict (stale requests counted in), copied
+        to the host beside the flag; no CPU collective per step. A decode step's check is armed and fired as on one rank
         (no graph carries it: :meth:`fire` all-reduces right after its launch, :meth:`VerdictRing.agree`).
 
         ``out``: the batch's write slots (default ``batch.out_cache_loc``); ``ahead``: tokens the batch's lengths
@@ -106,7 +106,7 @@ class SGLangGuard(PoolFollower):
             # The decode step (the steady state), or an extend of one token each. A decode step's check is
             # deferred: launched by the forward that runs this batch (captured in SGLang's decode graph:
             # graph_step; eager: fire_armed), or here when its forward might not tell us (and for an extend).
-            pending = self._arm(batch, rows_, out, flags, device_group)
+            pending = self._arm(batch, rows_, out, flags, agreement)
             if not (self.defer and batch.forward_mode == self.decode_mode):
                 self.fire(pending, batch.req_pool_indices, _device_lengths(batch, ahead), out, ahead)
             return pending
@@ -129,11 +129,11 @@ class SGLangGuard(PoolFollower):
         if guard is not None and any_stale:
             apply_guard(guard, self.to_device(stale, torch.bool))
         agreed = None
-        if device_group is not None:
+        if agreement is not None:
             agreed = check.verdict.clone()
             if any_stale:
                 agreed[:, 0] += self.to_device(stale, torch.int32)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=device_group)
+            agreement.max_(agreed)
             host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
             host.copy_(agreed, non_blocking=True)
             agreed = host
@@ -147,28 +147,28 @@ class SGLangGuard(PoolFollower):
         batch._kvguard = pending
         return pending
 
-    def arm_decode(self, batch, out, flags, device_group=None) -> Pending | None:
+    def arm_decode(self, batch, out, flags, agreement=None) -> Pending | None:
         """A decode step, inside its ``alloc_for_decode`` (``out``: its write slots; ``flags``: its stale flags;
-        ``device_group``: attention TP's, or None on one rank): armed for the forward that runs it, as
+        ``agreement``: attention TP's, or None on one rank): armed for the forward that runs it, as
         :meth:`launch` with ``ahead=1`` arms it, without :meth:`launch`'s general cases on the steady path (one
         call per decode step)."""
         rows_ = self.batch_rows(batch)
         if rows_.all_known and self.defer and out is not None and out.numel() == rows_.n \
                 and batch.forward_mode == self.decode_mode:
-            return self._arm(batch, rows_, out, flags, device_group)
-        return self.launch(batch, device_group, out, 1, flags)
+            return self._arm(batch, rows_, out, flags, agreement)
+        return self.launch(batch, agreement, out, 1, flags)
 
-    def _arm(self, batch, rows_, out, flags=None, device_group=None) -> Pending:
+    def _arm(self, batch, rows_, out, flags=None, agreement=None) -> Pending:
         """A decode step's check, not launched yet (:meth:`fire` or :meth:`graph_step` launch it). Requests whose
         row went to a newer owner write nothing (their check may pass): their slots are redirected now, before
-        SGLang copies the slots anywhere. ``device_group`` (attention TP): :meth:`fire` all-reduces the verdict
+        SGLang copies the slots anywhere. ``agreement`` (attention TP): :meth:`fire` all-reduces the verdict
         over it."""
         stale, any_stale = flags if flags is not None else self.stale_flags(batch)
         if any_stale:
             apply_guard(WriteGuard(out, scratch=SCRATCH_SLOT), self.to_device(stale, torch.bool))
         # (positional: Pending's fields in order, a per-step construction)
         pending = Pending(self, None, rows_.snapshot, -1, 0, stale, None, None, rows_.owner_dev,
-                          batch.req_pool_indices, None, batch, None, any_stale, None, device_group)
+                          batch.req_pool_indices, None, batch, None, any_stale, None, agreement)
         self.armed = batch._kvguard = pending
         return pending
 
@@ -554,7 +554,8 @@ class VerdictRing:
 
     def agree(self, slot: int, cells: int, n: int, stale: list | None, group) -> torch.Tensor:
         """Attention TP: the first ``cells`` of slot's verdict (``n`` requests' rows; ``stale``: per request, its row
-        went to a newer owner here, or None when none did) MAX all-reduced over the device ``group`` on the stream,
+        went to a newer owner here, or None when none did) MAX all-reduced across the ranks on the stream (``group``:
+        the ranks' :class:`kvguard.sglang.agree.VerdictAgreement`),
         into a buffer of the slot's own, and copied to the slot's pinned host buffer (returned: read once the
         forward's result is in). One collective per step, no host sync, no allocation in the steady state."""
         mine = self._agree_dev[slot]
@@ -565,7 +566,7 @@ class VerdictRing:
         mine.copy_(self._verdicts[slot][:cells])
         if stale is not None:  # rare: a stale row here counts as a verdict every rank sees
             mine.view(n, -1)[:, 0] += torch.tensor(stale, dtype=torch.int32).to(self.device, non_blocking=True)
-        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX, group=group)
+        group.max_(mine)
         host = self.agreed_host(slot, cells)
         host.copy_(mine, non_blocking=True)
         return host

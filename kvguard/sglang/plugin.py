@@ -375,15 +375,17 @@ def guards() -> list[SGLangGuard]:
     return list(_guards)
 
 
-_GROUP: list = []  # this process's attention-TP (cpu group, device group) once looked up; (None, None): one rank
+_GROUP: list = []  # this process's attention-TP (CPU group, VerdictAgreement) once looked up; (None, None): one rank
 _ONE_RANK = False  # looked up, and one rank (_GROUP == [(None, None)])
 # (the per-step hooks read ``_GROUP[0] if _GROUP else _attn_tp()``: no call once it is looked up)
 
 
-def _attn_tp() -> tuple:
-    """The attention-TP groups the ranks agree over: (CPU group, device group), or (None, None) with one rank.
+def _attn_tp(min_ranks: int = 2) -> tuple:
+    """The attention-TP ranks this process agrees with: (SGLang's CPU group of them, kvguard's
+    :class:`~kvguard.sglang.agree.VerdictAgreement` over them), or (None, None) with fewer than ``min_ranks``.
 
-    Looked up once (SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself)."""
+    Looked up once (SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself). ``min_ranks``:
+    1 serves the TP path over one rank (a benchmark's stand-in for measuring its host cost on one GPU)."""
     if _GROUP:
         return _GROUP[0]
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -391,12 +393,16 @@ def _attn_tp() -> tuple:
     try:
         from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
-        coordinator = get_attn_tp_group()
-        groups = (coordinator.cpu_group, coordinator.device_group)
+        cpu_group = get_attn_tp_group().cpu_group
     except Exception:  # no attention-TP group in this process
-        groups = (None, None)
-    if groups[0] is not None and torch.distributed.get_world_size(groups[0]) == 1:
-        groups = (None, None)
+        cpu_group = None
+    groups = (None, None)
+    if cpu_group is not None and torch.distributed.get_world_size(cpu_group) >= min_ranks:
+        from .agree import VerdictAgreement
+
+        cuda = torch.cuda.is_available()
+        groups = (cpu_group, VerdictAgreement(cpu_group, torch.device("cuda", torch.cuda.current_device()) if cuda
+                                              else torch.device("cpu")))
     global _ONE_RANK
     _GROUP.append(groups)
     _ONE_RANK = groups[0] is None
@@ -595,7 +601,7 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
         raise unchecked("speculative_decoding")
     if batch.is_dllm():
         raise unchecked("dllm")
-    guard.launch(batch, device_group=_attn_tp()[1])
+    guard.launch(batch, agreement=_attn_tp()[1])
     return None
 
 
@@ -817,8 +823,8 @@ def _install_before_capture(scheduler):
         guard = install(pool, allocator, None, config=config)
     except SystemExit:
         return None  # refused: build_kv_cache refuses again, with the same message, before anything serves
-    device_group = _attn_tp()[1]
-    if config.graph and guard.device.type == "cuda" and device_group is None and guard.graph is None:
+    agreement = _attn_tp()[1]
+    if config.graph and guard.device.type == "cuda" and agreement is None and guard.graph is None:
         # SGLang captures batch sizes up to its row pool's size (get_batch_sizes_to_capture); a larger one would
         # capture without the check, and that runner's decode checks are then launched as batches are prepared.
         if guard.enable_graph(guard.num_rows) is not None:

@@ -31,6 +31,13 @@ def _join(rank: int, port: int) -> None:
     plugins.load_plugins()
 
 
+def _agreement():
+    """kvguard's agreement across this process group's ranks (on the CPU: torch.distributed's all-reduce)."""
+    from kvguard.sglang.agree import VerdictAgreement
+
+    return VerdictAgreement(dist.group.WORLD, torch.device("cpu"))
+
+
 def _rank_rig():
     """A fresh rig on this rank's pools, with kvguard installed: (rig, guard)."""
     from faultlab.sglang_live.rig import Rig
@@ -75,7 +82,7 @@ def _broken_entry(rank: int) -> dict:
             table = rig.req_to_token_pool.req_to_token
             table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
         batch.prepare_for_decode()
-        pending = guard.launch(batch, device_group=dist.group.WORLD)  # what the hook does under attention TP
+        pending = guard.launch(batch, agreement=_agreement())  # what the hook does under attention TP
         flagged = guard.resolve(pending, group=dist.group.WORLD)
         results.append([(str(r.rid), m) for r, m, _ in flagged])
         rig.sample(batch)
@@ -89,9 +96,9 @@ def _broken_entry_at_forward(rank: int) -> dict:
     import kvguard.sglang.plugin as plugin
 
     # kvguard's lookup of the attention-TP groups finds none here (the rig runs no SGLang model-parallel init):
-    # it is given this process group as SGLang's (CPU group, device group)
+    # it is given this process group as SGLang's CPU group of the attention-TP ranks
     assert plugin._attn_tp() == (None, None) and plugin._ONE_RANK
-    plugin._GROUP[:], plugin._ONE_RANK = [(dist.group.WORLD, dist.group.WORLD)], False
+    plugin._GROUP[:], plugin._ONE_RANK = [(dist.group.WORLD, _agreement())], False
     try:
         return _at_forward(rank)
     finally:
@@ -99,6 +106,8 @@ def _broken_entry_at_forward(rank: int) -> dict:
 
 
 def _at_forward(rank: int) -> dict:
+    import kvguard.sglang.plugin as plugin
+
     rig, guard = _rank_rig()
     guard.defer = True  # as on a scheduler whose decode forwards all go through a runner kvguard hooks
     batch = rig.running(40, 35, 20)
@@ -110,7 +119,7 @@ def _at_forward(rank: int) -> dict:
             table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
         batch.prepare_for_decode()  # kvguard's alloc_for_decode hook arms the check (attention TP: 2 ranks)
         pending = batch._kvguard
-        fired.append([pending.slot, pending.group is dist.group.WORLD])  # slot -1: armed, not launched
+        fired.append([pending.slot, pending.group is plugin._GROUP[0][1]])  # slot -1: armed, not launched
         guard.fire_armed(SimpleNamespace(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                                          out_cache_loc=batch.out_cache_loc, batch_size=len(batch.reqs)))
         flagged = guard.resolve(pending, group=dist.group.WORLD)
