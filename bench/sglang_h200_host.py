@@ -36,7 +36,9 @@ from faultlab.sglang_gpu.overhead import attach_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RAW = os.path.join(HERE, "results", "sglang_h200_raw")
-DEFAULT = [os.path.join(RAW, "dec04b", "off", "overhead_interleave_nooverlap.json"),
+DEFAULT = [os.path.join(RAW, "dec05a", "off", "overhead_interleave_nooverlap.json"),
+           os.path.join(RAW, "dec05a", "on", "overhead_interleave_overlap.json"),
+           os.path.join(RAW, "dec04b", "off", "overhead_interleave_nooverlap.json"),
            os.path.join(RAW, "dec04b", "on", "overhead_interleave_overlap.json"),
            os.path.join(RAW, "dec04c", "b256", "overhead_interleave_nooverlap_c256.json"),
            os.path.join(RAW, "dec04d", "off", "overhead_interleave_nooverlap.json"),
@@ -78,7 +80,14 @@ PIECES = os.path.join(RAW, "dec02h", "graph1", "host_path.json")
 PIECES_COMMAND = "python3 bench/host_path_h200.py --out $OUT/hp --calls 1000"
 _DEC04 = ("the working tree committed as 047b6dc (the file's git field names the commit it sat on, 0abeb32) on an "
           "eighth machine (GPU-c409e6d4)")
-NOTES = {"dec04b/off": _DEC04 + "; kvguard's off steps 18.6 us at c=1 and 22.2 us at c=64 (as fast as dec02r's host)",
+_TP_PATH = ("kvguard's attention-TP path served over one rank (overhead --tp-path: the check launched as the batch is "
+            "prepared, no graph carries it; its verdict all-reduced and read with the result): a stand-in for that "
+            "path's host cost at TP >= 2, not a TP=2 run. ")
+NOTES = {"dec05a/off": _TP_PATH + "Commit 34588d2, the all-reduce through torch.distributed's NCCL process group: "
+                                  "359/536 us at c=1/64 (alloc_for_decode hook 338 us, the verdict's read 77 us per "
+                                  "step); a ninth machine (GPU-fbb200c6); the budget ran 1 of 2 runs at c=64",
+         "dec05a/on": _TP_PATH + "Commit 34588d2, as dec05a/off",
+         "dec04b/off": _DEC04 + "; kvguard's off steps 18.6 us at c=1 and 22.2 us at c=64 (as fast as dec02r's host)",
          "dec04b/on": _DEC04,
          "dec04c/b256": _DEC04 + ", right after dec04b; one run of 300 output tokens (~260 interleaved steps): its "
                                  "ratios are not a figure, its host time is",
@@ -172,6 +181,7 @@ def main() -> None:
                 **{k: clean.get(k) for k in ("n_on", "n_off", "host_off_us_p50", "host_net_us_p50", "host_net_us_p99",
                                              "host_off_net_us_p50", "step_delta_us_p50",
                                              "step_delta_us_mean", "aa_itl_p99_ratio") if k in clean},
+                "tp_path": bool(clean.get("tp_path", (clean.get("tp") or 1) > 1)),
                 "raw": os.path.relpath(path, HERE), "sglang": raw["environment"].get("sglang"),
                 "note": next((n for d, n in NOTES.items() if f"/{d}/" in path), None)})
     out = {"command": " && ".join(commands), "sglang": rows[0]["sglang"] if rows else None, "rows": rows}
