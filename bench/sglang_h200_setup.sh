@@ -1,4 +1,5 @@
 # Source this on the GPU machine, from the folder holding the project tree to run (see
+# The tree plus .sgl is over the device's 64 MiB: bench/device_slim.sh on before a call, off after.
 # bench/sglang_h200_snapshot.sh), before `python3 -m faultlab.sglang_gpu ...`. It installs the offline
 # SGLang 0.5.23 bundle (../shared/tools/sglang-h200/build.sh; the folder is $SGL_BUNDLE, default .sgl)
 # once per machine, sets the variables SGLang needs there (../shared/reference/sglang-on-h200.md), and
