@@ -1,10 +1,10 @@
 # Source this on the GPU machine, from the folder holding the project tree to run (see
-# The tree plus .sgl is over the device's 64 MiB: bench/device_slim.sh on before a call, off after.
 # bench/sglang_h200_snapshot.sh), before `python3 -m faultlab.sglang_gpu ...`. It installs the offline
 # SGLang 0.5.23 bundle (../shared/tools/sglang-h200/build.sh; the folder is $SGL_BUNDLE, default .sgl)
 # once per machine, sets the variables SGLang needs there (../shared/reference/sglang-on-h200.md), and
 # puts on PYTHONPATH the project and the folder where the harness declares SGLang's plugin entry points
 # (faultlab.sglang_gpu.common.EP_DIR: it must be on sys.path from the start of every process).
+# The tree plus .sgl is over the device's 64 MiB: bench/device_slim.sh on before a call, off after.
 SGL_BUNDLE=${SGL_BUNDLE:-.sgl}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
