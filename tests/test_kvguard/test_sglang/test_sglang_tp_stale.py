@@ -122,9 +122,11 @@ def _at_forward(rank: int) -> dict:
         fired.append([pending.slot, pending.group is plugin._GROUP[0][1]])  # slot -1: armed, not launched
         guard.fire_armed(SimpleNamespace(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                                          out_cache_loc=batch.out_cache_loc, batch_size=len(batch.reqs)))
+        # what the result hook reads before any wait: every rank's verdict in, and clean
+        clean = guard._ring.agreed_clean(pending.slot, pending.cells, pending.stamp)
         flagged = guard.resolve(pending, group=dist.group.WORLD)
         results.append([(str(r.rid), m) for r, m, _ in flagged])
-        fired[-1] += [pending.slot >= 0, pending.agreed is not None]
+        fired[-1] += [pending.slot >= 0, pending.agreed is not None, clean]
         rig.sample(batch)
     return {"victim": str(victim.rid), "steps": results, "armed": fired}
 
@@ -197,7 +199,9 @@ def test_ranks_agree_on_a_broken_entry_when_the_forward_fires_the_check(ranks):
     r0, r1 = _of(ranks, "broken_entry_at_forward")
     for r in (r0, r1):
         # armed by the hook over the 2 ranks, launched by the forward, its verdict all-reduced on the device group
-        assert r["armed"] == [[-1, True, True, True]] * 3
+        assert [a[:4] for a in r["armed"]] == [[-1, True, True, True]] * 3
+        # clean before the bug; after it, not clean on either rank (rank 0's own check passed)
+        assert [a[4] for a in r["armed"]] == [True, False, r["steps"][2] == []]
         assert r["steps"][0] == []
         assert [rid for rid, _ in r["steps"][1]] == [r["victim"]]
         assert [rid for rid, _ in r["steps"][2]] in ([], [r["victim"]])
