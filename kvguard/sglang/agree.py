@@ -53,13 +53,16 @@ class VerdictAgreement:
         self._int32, self._max = ncclDataTypeEnum.from_torch(torch.int32), ncclRedOpTypeEnum.from_torch(
             torch.distributed.ReduceOp.MAX)
 
-    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (int32, contiguous) MAX-reduced across the ranks in place, on the current stream; no host
-        sync. Every rank must call it for the same step, in the same order."""
+    def max_(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``tensor`` (int32, contiguous) MAX-reduced across the ranks into ``out`` (default: in place), on the current
+        stream; no host sync. Every rank must call it for the same step, in the same order. Returns the result."""
+        out = tensor if out is None else out
         if self._comm is None:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
-            return tensor
+            if out is not tensor:
+                out.copy_(tensor)
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
+            return out
         stream = torch._C._cuda_getCurrentRawStream(self._index)
-        ptr = ctypes.c_void_p(tensor.data_ptr())
-        self._lib.ncclAllReduce(ptr, ptr, tensor.numel(), self._int32, self._max, self._comm, ctypes.c_void_p(stream))
-        return tensor
+        self._lib.ncclAllReduce(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_void_p(out.data_ptr()), tensor.numel(),
+                                self._int32, self._max, self._comm, ctypes.c_void_p(stream))
+        return out

@@ -188,7 +188,7 @@ class SGLangGuard(PoolFollower):
         self.tracker.count_check(total)
         if pending.group is not None:  # attention TP: every rank fires this step's check; all agree on it
             pending.agreed = ring.agree(slot, pending.cells, len(pending.reqs),
-                                        pending.stale if pending.any_stale else None, pending.group, stamp)
+                                        pending.stale if pending.any_stale else None, pending.group)
         ring.copy_flag(slot)
         pending.slot, pending.stamp = slot, stamp
         pending.ready = ring.record(slot) if ring.use_events else None
@@ -536,6 +536,7 @@ class VerdictRing:
         self._agreed = [torch.empty(0, dtype=torch.int32, pin_memory=cuda) for _ in range(VERDICT_RING)]
         self._agree_dev = [torch.empty(0, dtype=torch.int32, device=device) for _ in range(VERDICT_RING)]
         self._agreed_np = [a.numpy() for a in self._agreed]  # the same host buffers, read without a torch op
+        self._one = torch.ones(1, dtype=torch.int32, device=device)  # copied after an agreed verdict (agree)
         self.turn, self.stamp = 0, 0
         self.bindings = 0  # bound launches built (once per batch composition; a benchmark reads it)
 
@@ -554,33 +555,38 @@ class VerdictRing:
             self._agreed_np[slot] = buf.numpy()
         return buf[:need]
 
-    def agree(self, slot: int, cells: int, n: int, stale: list | None, group, stamp: int) -> torch.Tensor:
+    def agree(self, slot: int, cells: int, n: int, stale: list | None, group) -> torch.Tensor:
         """Attention TP: the first ``cells`` of slot's verdict (``n`` requests' rows; ``stale``: per request, its row
         went to a newer owner here, or None when none did) MAX all-reduced across the ranks on the stream (``group``:
-        the ranks' :class:`kvguard.sglang.agree.VerdictAgreement`), into a buffer of the slot's own, and copied to
-        the slot's pinned host buffer (returned: its first ``cells``); then this rank's ``stamp`` into the cell after
-        them, copied last: once the host sees the stamp, the cells before it are in (:meth:`agreed_clean` reads them
-        before any wait). One collective per step, no host sync, no allocation in the steady state."""
+        the ranks' :class:`kvguard.sglang.agree.VerdictAgreement`) into a buffer of the slot's own, and copied to the
+        slot's pinned host buffer (returned: its first ``cells``); then a one into the host cell after them, which
+        the host cleared first, copied last: once the host sees it, the cells before it are in
+        (:meth:`agreed_clean` reads them before any wait). One collective and two copies per step, no host sync, no
+        allocation in the steady state."""
         dev = self._agree_dev[slot]
-        if dev.numel() < cells + 1:
-            dev = self._agree_dev[slot] = torch.empty(1 << cells.bit_length(), dtype=torch.int32, device=self.device)
-        mine, mark = dev[:cells], dev[cells:cells + 1]
-        mine.copy_(self._verdicts[slot][:cells])
-        if stale is not None:  # rare: a stale row here counts as a verdict every rank sees
+        if dev.numel() < cells:
+            dev = self._agree_dev[slot] = torch.empty(1 << (cells - 1).bit_length(), dtype=torch.int32,
+                                                      device=self.device)
+        verdict = self._verdicts[slot][:cells]
+        if stale is None:
+            mine = group.max_(verdict, dev[:cells])
+        else:  # rare: a stale row here counts as a verdict every rank sees
+            mine = dev[:cells]
+            mine.copy_(verdict)
             mine.view(n, -1)[:, 0] += torch.tensor(stale, dtype=torch.int32).to(self.device, non_blocking=True)
-        group.max_(mine)
-        mark.fill_(stamp)  # (this rank's own stamp: not reduced)
+            group.max_(mine)
         host = self.agreed_host(slot, cells + 1)
+        self._agreed_np[slot][cells] = 0  # (before the copies are enqueued: the second one writes the one)
         agreed = host[:cells]
         agreed.copy_(mine, non_blocking=True)
-        host[cells:].copy_(mark, non_blocking=True)  # after the cells, on the same stream
+        host[cells:].copy_(self._one, non_blocking=True)  # after the cells, on the same stream
         return agreed
 
-    def agreed_clean(self, slot: int, cells: int, stamp: int) -> bool:
-        """Attention TP: slot's agreed verdict is in (its stamp after it) and no rank flagged anything in it. Read
+    def agreed_clean(self, slot: int, cells: int) -> bool:
+        """Attention TP: slot's agreed verdict is in (the one after it) and no rank flagged anything in it. Read
         before any wait: False when not in yet (the caller then waits and reads it in full)."""
         view = self._agreed_np[slot]
-        return view[cells] == stamp and not view[:cells].any()
+        return view[cells] == 1 and not view[:cells].any()
 
     def verdict(self, slot: int, batch: int, max_entries: int) -> torch.Tensor:
         need = batch * n_chunks_for(max_entries)

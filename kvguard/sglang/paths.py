@@ -92,7 +92,7 @@ PATHS: tuple[Path, ...] = (
          "the running part's check travels with the mixed batch (mix_with_running)", _PATHS_TEST,
          lambda f: f.mixed_chunk),
     Path("tensor_parallel", CHECKED, "tp_size > 1",
-         "each rank checks its own pools; verdicts agree by one device all-reduce (MAX) per check, stale rows by a CPU one when rows or the batch change",
+         "each rank checks its own pools; verdicts agree by one device all-reduce (MAX) per check over kvguard's own NCCL communicator (`kvguard/sglang/agree.py`), stale rows by a CPU one when rows or the batch change",
          "tests/test_kvguard/test_sglang/test_sglang_tp_stale.py", lambda f: f.tp_size > 1),
     Path("mla", CHECKED, "a model with multi-head latent attention (DeepSeek-V2/V3 style)",
          "MLATokenToKVPool shares req_to_token and the allocators kvguard follows", _PATHS_TEST,

@@ -123,7 +123,7 @@ def _at_forward(rank: int) -> dict:
         guard.fire_armed(SimpleNamespace(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                                          out_cache_loc=batch.out_cache_loc, batch_size=len(batch.reqs)))
         # what the result hook reads before any wait: every rank's verdict in, and clean
-        clean = guard._ring.agreed_clean(pending.slot, pending.cells, pending.stamp)
+        clean = guard._ring.agreed_clean(pending.slot, pending.cells)
         flagged = guard.resolve(pending, group=dist.group.WORLD)
         results.append([(str(r.rid), m) for r, m, _ in flagged])
         fired[-1] += [pending.slot >= 0, pending.agreed is not None, clean]
