@@ -131,7 +131,22 @@ def _at_forward(rank: int) -> dict:
     return {"victim": str(victim.rid), "steps": results, "armed": fired}
 
 
-SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry, "broken_entry_at_forward": _broken_entry_at_forward}
+def _agree_stale(rank: int) -> dict:
+    """The agreement itself: rank 1 counts request 1's row stale (its own check passed on every rank), rank 0 nothing;
+    what each rank reads back, and whether it reads the step clean before any wait."""
+    from kvguard.sglang.guard import VerdictRing
+
+    ring = VerdictRing(None, torch.device("cpu"))
+    ring.verdict(0, 3, 2048)
+    ring.buffers()[0][:6] = torch.zeros(6, dtype=torch.int32)  # 3 requests x 2 chunks, nothing bad here
+    clean = [ring.agree(0, 6, 3, None, _agreement()).tolist(), bool(ring.agreed_clean(0, 6))]
+    stale = [False, rank == 1, False] if rank == 1 else None
+    flagged = [ring.agree(0, 6, 3, stale, _agreement()).tolist(), bool(ring.agreed_clean(0, 6))]
+    return {"clean": clean, "flagged": flagged}
+
+
+SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry, "broken_entry_at_forward": _broken_entry_at_forward,
+             "agree_stale": _agree_stale}
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -206,6 +221,12 @@ def test_ranks_agree_on_a_broken_entry_when_the_forward_fires_the_check(ranks):
         assert [rid for rid, _ in r["steps"][1]] == [r["victim"]]
         assert [rid for rid, _ in r["steps"][2]] in ([], [r["victim"]])
     assert "peer tensor-parallel rank" in r0["steps"][1][0][1] and "peer" not in r1["steps"][1][0][1]
+
+
+def test_the_agreement_carries_one_ranks_stale_row_to_every_rank(ranks):
+    for r in _of(ranks, "agree_stale"):
+        assert r["clean"] == [[0] * 6, True]
+        assert r["flagged"] == [[0, 0, 1, 0, 0, 0], False]  # request 1's first cell, on both ranks
 
 
 def test_ranks_agree_on_a_stale_row_seen_by_one_rank(ranks):
