@@ -128,15 +128,8 @@ class SGLangGuard(PoolFollower):
                                    flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
         if guard is not None and any_stale:
             apply_guard(guard, self.to_device(stale, torch.bool))
-        agreed = None
-        if agreement is not None:
-            agreed = check.verdict.clone()
-            if any_stale:
-                agreed[:, 0] += self.to_device(stale, torch.int32)
-            agreement.max_(agreed)
-            host = ring.agreed_host(slot, agreed.numel()).view(agreed.shape)
-            host.copy_(agreed, non_blocking=True)
-            agreed = host
+        agreed = None if agreement is None else \
+            ring.agree(slot, check.verdict.numel(), len(batch.reqs), stale if any_stale else None, agreement)
         ring.copy_flag(slot)
         # NOTE: everything above is on the stream before the forward; resolve() reads it after SGLang's own
         # wait for the forward's sampled ids (copy_done, the overlap scheduler's). A scheduler whose results
@@ -332,6 +325,10 @@ class SGLangGuard(PoolFollower):
         # are cold). Not in yet, or anything else: the wait, then the full read below.
         if pending.epoch is not None and not pending.any_stale and group is None and pending.agreed is None \
                 and self.graph.clean(pending.epoch):
+            return []
+        # (attention TP's: every rank's verdict, all-reduced and marked, is in and clean)
+        if pending.agreed is not None and not pending.any_stale \
+                and self._ring.agreed_clean(pending.slot, pending.agreed.numel()):
             return []
         self.wait_forward(pending, done, result)
         if pending.epoch is not None:

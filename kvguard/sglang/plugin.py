@@ -685,11 +685,6 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
         # clean, read before any wait; the step goes on to SGLang's own wait for its sampled ids.
         return original(processor, batch, result, *args, **kwargs)
     guard = pending.guard
-    if pending.agreed is not None and pending.cells is not None and not pending.any_stale \
-            and guard._ring.agreed_clean(pending.slot, pending.cells):
-        # Attention TP's steady state: every rank's verdict, all-reduced and marked, is in and clean, read before
-        # any wait (as the captured check's word above, on one rank).
-        return original(processor, batch, result, *args, **kwargs)
     flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
                             result)
     if not flagged:
