@@ -457,14 +457,20 @@ class PoolFollower:
         return flags
 
     def _fresh_for(self, count: int) -> torch.Tensor | None:
-        """The last allocation's slot tags, if it handed out exactly ``count`` pages (else None: current tags)."""
+        """The last allocation's slot tags, if it handed out exactly ``count`` pages.
+
+        NOTE (fail closed): otherwise kvguard cannot tell which tag each new page of the rows got, and a page's
+        *current* tag would pass a page handed out twice (only its later holder's tag survives). The rows'
+        new entries then expect nothing (UNSET), which the check flags: the requests are aborted, never served
+        on a guess. Logged every time it happens, with both counts."""
         fresh = self._fresh
-        if fresh is None or fresh.numel() != count:
-            if count:
-                self.warn_once("fresh", f"kvguard: an extend allocated {0 if fresh is None else fresh.numel()} "
-                                        f"pages where {count} were expected; recording current tags")
+        if fresh is not None and fresh.numel() == count:
+            return fresh
+        if not count:
             return None
-        return fresh
+        log.error("kvguard: an allocation handed out %d pages where the rows took %d; their requests' new "
+                  "entries expect nothing and are flagged", 0 if fresh is None else fresh.numel(), count)
+        return torch.full((count,), UNSET, dtype=torch.int64, device=self.device)
 
     def legit_pages(self, req) -> list[int]:
         """Pages the request may give back: recorded for it past the tree's part, tags unchanged.

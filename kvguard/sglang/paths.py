@@ -13,12 +13,15 @@ The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each 
 the coverage table in docs/sglang.md (:func:`coverage_table`, ``python -m kvguard.sglang.paths``; a test
 checks the docs against it).
 
-Stdlib only: the facts are read from SGLang's objects by their callers (kvguard.sglang.plugin).
+Stdlib only at import: the server's facts are read from SGLang's ``ServerArgs`` here, the model's through
+:mod:`kvguard.sglang.model_facts` (SGLang's own tests, imported when a model config is given).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any, Callable
+
+from .model_facts import model_facts
 
 CHECKED, REFUSED = "checked", "refused"
 
@@ -210,8 +213,7 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
     """Facts from SGLang's ``ServerArgs`` (resolved or raw) and, if given, its ``ModelConfig``."""
     spec = _get(server_args, "speculative_algorithm")
     spec = None if spec in (None, "", "NONE", "none") else str(spec)
-    mc = model_config
-    arch = str(getattr(mc, "attention_arch", "")) if mc is not None else ""
+    model = model_facts(model_config)  # the model's own facts, read as SGLang decides them ({}: not known)
     chunk = _get(server_args, "chunked_prefill_size", -1)
     return Facts(
         disaggregation_mode=str(_get(server_args, "disaggregation_mode", "null")),
@@ -231,11 +233,7 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         radix=not bool(_get(server_args, "disable_radix_cache", False)),
         chunked=isinstance(chunk, int) and chunk > 0,
         mixed_chunk=bool(_get(server_args, "enable_mixed_chunk", False)),
-        mla=arch.endswith("MLA"),
-        hybrid_swa=bool(getattr(mc, "is_hybrid_swa", False)) if mc is not None else False,
-        hybrid_linear=bool(getattr(mc, "hybrid_linear_attn_config", None) or getattr(mc, "mamba2_config", None))
-        if mc is not None else False,
-        encoder_decoder=bool(getattr(mc, "is_encoder_decoder", False)) if mc is not None else False,
+        **model,
         streaming_session=bool(_get(server_args, "enable_streaming_session", False)),
         session_radix_cache=bool(_get(server_args, "enable_session_radix_cache", False)),
         lmcache=bool(_get(server_args, "enable_lmcache", False)),

@@ -64,6 +64,7 @@ from ..incidents import prepare_dir
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
 from .guard import PADDING_ROW, SGLangGuard
+from .model_facts import pool_refusal
 from .paths import KVGuardRefused
 
 log = logging.getLogger("kvguard.sglang")
@@ -285,13 +286,13 @@ def _after_build_kv_cache(result, *args, **kwargs):
     for p in active:
         gauge.labels(path=p.name, status=p.status).set(1)
     guard = install(result.req_to_token_pool, result.token_to_kv_pool_allocator, result.tree_cache,
-                    config=_registered_config)
+                    config=_registered_config, build_result=result)
     guard.warm_up()
     return None  # keep SGLang's result as is
 
 
 def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerConfig | None = None,
-            registry=None) -> SGLangGuard:
+            registry=None, build_result=None) -> SGLangGuard:
     """Attach a guard to one pool set and return it (the same guard if already installed).
 
     ``req_to_token_pool`` is whatever holds the ``req_to_token`` table the attention backends read (the
@@ -308,6 +309,15 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
             f"PagedTokenToKVPoolAllocator and TokenToKVPoolAllocator); run with KVGUARD_MODE=off")
     if getattr(req_to_token_pool, "req_to_token", None) is None:
         raise TypeError(f"kvguard.install: {type(req_to_token_pool).__name__} has no req_to_token table")
+    refused = pool_refusal(req_to_token_pool, allocator, build_result)
+    if refused is not None:  # the backstop: whatever the facts said, these pools hold state kvguard does not follow
+        from .paths import BY_NAME
+
+        metrics_for(registry).uncovered.inc()
+        p = BY_NAME[refused]
+        raise KVGuardStartupError(f"kvguard: refusing to start: KVGUARD_MODE=check but the pools SGLang built "
+                                  f"({type(req_to_token_pool).__name__}, {type(allocator).__name__}) are those of "
+                                  f"{refused} ({p.turned_on_by}): {p.why}. Serve with KVGUARD_MODE=off")
     existing = guard_of(allocator)
     if existing is not None:
         if existing.req_to_token_pool is not req_to_token_pool:
@@ -394,7 +404,15 @@ def _attn_tp(min_ranks: int = 2) -> tuple:
         from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
         cpu_group = get_attn_tp_group().cpu_group
-    except Exception:  # no attention-TP group in this process
+    except Exception as err:
+        # NOTE: "one rank" is cached for the process's life, so it is concluded only where it is true: a process
+        # alone in its torch.distributed world. Otherwise ranks that could not be looked up might drop different
+        # requests and hang: stop instead.
+        if torch.distributed.get_world_size() > 1:
+            raise KVGuardStartupError(f"kvguard: refusing to serve: SGLang's attention-TP group could not be looked "
+                                      f"up ({type(err).__name__}: {err}) in a world of "
+                                      f"{torch.distributed.get_world_size()} ranks, so the ranks' verdicts could "
+                                      f"not agree") from err
         cpu_group = None
     groups = (None, None)
     if cpu_group is not None and torch.distributed.get_world_size(cpu_group) >= min_ranks:
@@ -811,18 +829,18 @@ def _around_init_all_cuda_graphs(original, scheduler, *args, **kwargs):
 
 def _install_before_capture(scheduler):
     """The guard on this scheduler's pools, installed now (before the capture), with the graph check's buffers
-    and the capture head hook on CUDA; None where the install is left to build_kv_cache (its checks fail)."""
+    and the capture head hook on CUDA; None where the worker has no pools yet (build_kv_cache installs). A pool
+    set or path kvguard refuses stops the scheduler here (KVGuardStartupError)."""
     config = _registered_config
     model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     pool = getattr(model_runner, "req_to_token_pool", None)
     allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
-    if config is None or pool is None or not covered(allocator):
-        return None  # build_kv_cache installs (or refuses an allocator kvguard does not cover)
-    try:
-        preflight(getattr(scheduler, "server_args", None), getattr(scheduler, "model_config", None))
-        guard = install(pool, allocator, None, config=config)
-    except SystemExit:
-        return None  # refused: build_kv_cache refuses again, with the same message, before anything serves
+    if config is None or pool is None:
+        return None  # no pools on this worker yet: build_kv_cache installs
+    # NOTE: a refusal here stops the scheduler (KVGuardStartupError), never falls back to build_kv_cache's
+    # install: the hook that failed to apply may be that one, and then nothing would install at all.
+    preflight(getattr(scheduler, "server_args", None), getattr(scheduler, "model_config", None))
+    guard = install(pool, allocator, None, config=config)
     agreement = _attn_tp()[1]
     if config.graph and guard.device.type == "cuda" and agreement is None and guard.graph is None:
         # SGLang captures batch sizes up to its row pool's size (get_batch_sizes_to_capture); a larger one would

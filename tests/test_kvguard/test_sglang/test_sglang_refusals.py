@@ -35,7 +35,9 @@ REFUSED_FACTS = {
     "hierarchical_cache": (Facts(hierarchical_cache=True), {"enable_hierarchical_cache": True}),
     "hisparse": (Facts(hisparse=True), None),
     "sliding_window": (Facts(hybrid_swa=True), "swa_model"),
-    "hybrid_linear_attention": (Facts(hybrid_linear=True), None),
+    "hybrid_linear_attention": (Facts(hybrid_linear=True),  # (SGLang itself refuses extra_buffer on the CPU)
+                                ("linear_model", {"mamba_radix_cache_strategy": "no_buffer",
+                                                  "disable_overlap_schedule": True})),
     "dp_attention": (Facts(dp_attention=True), {"attn_dp_size": 2, "tp_size": 2}),
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
@@ -119,8 +121,11 @@ def models(tmp_path_factory):
     from faultlab.sglang_live.harness import write_model
 
     tmp = tmp_path_factory.mktemp("models")
+    from faultlab.sglang_live.families import QWEN3_NEXT
+
     return {"plain": write_model(str(tmp / "plain")),
-            "swa_model": write_model(str(tmp / "swa"), {"is_hybrid_swa": True, "sliding_window": 16})}
+            "swa_model": write_model(str(tmp / "swa"), {"is_hybrid_swa": True, "sliding_window": 16}),
+            "linear_model": write_model(str(tmp / "linear"), QWEN3_NEXT)}
 
 
 @pytest.mark.sglang
@@ -130,7 +135,8 @@ def test_engine_refuses_each_refused_path_before_a_scheduler_starts(models, tmp_
     for name, (_, how) in REFUSED_FACTS.items():
         if how is None:
             continue
-        model, extra = (models[how], {}) if isinstance(how, str) else (models["plain"], how)
+        model, extra = (models[how], {}) if isinstance(how, str) else (models[how[0]], how[1]) \
+            if isinstance(how, tuple) else (models["plain"], how)
         cases.append([name, model, extra])
     script = tmp_path / "engines.py"
     script.write_text(_ENGINE_SCRIPT)

@@ -1,0 +1,75 @@
+"""The model's own facts kvguard decides on, read the way SGLang 0.5.23 decides them.
+
+SGLang picks a model's pools from its ``ModelConfig``, not from attributes a config happens to carry: a
+hybrid linear-attention or mamba model (Qwen3-Next, Qwen3.5, NemotronH, Falcon-H1, Kimi-Linear, ...) gets a
+recurrent-state pool because ``kv_cache_builder.uses_ssm_state(model_config)`` says so (a set of functions
+in ``configs/hybrid_arch.py`` that test the config's class); a sliding-window hybrid because
+``ModelConfig.is_hybrid_swa``; MLA because ``ModelConfig.attention_arch`` is ``AttentionArch.MLA`` (an
+``IntEnum``: its ``str()`` is its number, so it is compared by name here). kvguard asks the same questions.
+
+:data:`MODEL_FACTS` names the :class:`kvguard.sglang.paths.Facts` fields that come from the model, not from
+the server arguments: without the model's config they are unknown (the dry run says so; a scheduler decides
+them again at install, on the model it loaded, and on the pools it built: :func:`pool_refusal`).
+
+Imports SGLang only inside :func:`linear_state`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+MODEL_FACTS = ("mla", "hybrid_swa", "hybrid_linear", "encoder_decoder")
+
+
+def arch_name(model_config: Any) -> str:
+    """``ModelConfig.attention_arch`` by name (``"MLA"``, ``"MHA"``, ``"SSM"``), or ``""``."""
+    arch = getattr(model_config, "attention_arch", None)
+    if arch is None:
+        return ""
+    name = getattr(arch, "name", None)
+    return name if isinstance(name, str) else str(arch).rsplit(".", 1)[-1]
+
+
+def linear_state(model_config: Any) -> bool:
+    """The model keeps recurrent (linear-attention / mamba) state beside its KV: SGLang's own test.
+
+    A pure SSM model (``attention_arch`` SSM) too. An object that is not SGLang's ``ModelConfig`` (no
+    ``hf_config``) is asked for ``is_hybrid_ssm`` only. SGLang's test raising is not swallowed: kvguard does
+    not serve a model it cannot classify.
+    """
+    if arch_name(model_config) == "SSM":
+        return True
+    if getattr(model_config, "hf_config", None) is None:
+        return bool(getattr(model_config, "is_hybrid_ssm", False))
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+
+    return bool(uses_ssm_state(model_config))
+
+
+def model_facts(model_config: Any) -> dict[str, bool]:
+    """The :data:`MODEL_FACTS` of a model (``{}`` when its config is not known)."""
+    if model_config is None:
+        return {}
+    return {
+        "mla": arch_name(model_config) == "MLA",
+        "hybrid_swa": bool(getattr(model_config, "is_hybrid_swa", False)),
+        "hybrid_linear": linear_state(model_config),
+        "encoder_decoder": bool(getattr(model_config, "is_encoder_decoder", False)),
+    }
+
+
+def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = None) -> str | None:
+    """The structural backstop at install: the pools SGLang built carry state kvguard does not follow.
+
+    Whatever the facts said: a row pool with a recurrent-state pool (``HybridReqToTokenPool.mamba_pool``),
+    or a build result SGLang marked ``is_hybrid_ssm`` / ``is_hybrid_swa``, names its registry path; None
+    when the pools are plain.
+    """
+    ssm = getattr(req_to_token_pool, "mamba_pool", None) is not None \
+        or bool(getattr(build_result, "is_hybrid_ssm", False))
+    swa = bool(getattr(build_result, "is_hybrid_swa", False)) \
+        or callable(getattr(allocator, "translate_loc_from_full_to_swa", None))
+    if ssm:
+        return "hybrid_linear_attention"
+    if swa:
+        return "sliding_window"
+    return None
