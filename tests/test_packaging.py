@@ -109,15 +109,47 @@ def imported():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_runtime_install_pulls_nothing_of_faultlab():
-    """`pip install kvguard` (no extra) brings what KVGUARD_MODE=check runs, and registers no pytest plugin."""
+def pyproject(which: str = "kvguard") -> dict:
+    """The project table of a distribution's pyproject: kvguard (the repository root) or faultlab."""
     import tomllib
 
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    runtime = {dep.split(">")[0].split("=")[0].split("[")[0].strip().lower() for dep in project["dependencies"]}
-    assert runtime == {"torch", "triton", "numpy", "structlog", "prometheus-client"}
-    assert {"pytest", "hypothesis"} <= {d.split(">")[0].split("=")[0] for d in project["optional-dependencies"]["faultlab"]}
-    assert "pytest11" not in project.get("entry-points", {})
+    path = REPO / "pyproject.toml" if which == "kvguard" else REPO / "packaging" / "faultlab" / "pyproject.toml"
+    return tomllib.loads(path.read_text())
+
+
+def dep_names(deps: list[str]) -> set[str]:
+    return {d.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().lower() for d in deps}
+
+
+def test_runtime_install_pulls_nothing_of_faultlab():
+    """`pip install kvguard` brings what KVGUARD_MODE=check runs, and registers no pytest plugin; faultlab's
+    dependencies (pytest, hypothesis, ...) come with the faultlab distribution, which depends on kvguard."""
+    kvguard, faultlab = pyproject("kvguard")["project"], pyproject("faultlab")["project"]
+    assert dep_names(kvguard["dependencies"]) == {"torch", "triton", "numpy", "structlog", "prometheus-client"}
+    assert "optional-dependencies" not in kvguard  # `kvguard[faultlab]` is replaced by the faultlab distribution
+    assert {"kvguard", "pytest", "hypothesis"} <= dep_names(faultlab["dependencies"])
+    assert "kvguard==" + kvguard["version"] in faultlab["dependencies"]
+    for project in (kvguard, faultlab):
+        assert "pytest11" not in project.get("entry-points", {})
+
+
+def test_each_distribution_declares_only_its_own_entry_points():
+    kvguard, faultlab = pyproject("kvguard")["project"], pyproject("faultlab")["project"]
+    assert kvguard["entry-points"] == {"sglang.srt.plugins": {"kvguard": "kvguard.sglang:register"}}
+    assert kvguard["scripts"] == {"kvguard": "kvguard.sglang.dryrun:cli"}
+    assert faultlab["entry-points"] == {"sglang.srt.plugins": {"faultlab_inject": "faultlab.sglang_live.inject:register"}}
+    assert faultlab["scripts"] == {"faultlab": "faultlab.chaos.cli:main"}
+
+
+def test_dev_env_has_both_distributions_each_with_its_entry_point():
+    """`make setup` installs both (editable): SGLang sees kvguard's plugin from kvguard and the injector from
+    faultlab, and each command from its own distribution."""
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.dist.name for e in entry_points(group="sglang.srt.plugins")}
+    assert plugins.get("kvguard") == "kvguard" and plugins.get("faultlab_inject") == "faultlab", plugins
+    scripts = {e.name: e.dist.name for e in entry_points(group="console_scripts") if e.name in ("kvguard", "faultlab")}
+    assert scripts == {"kvguard": "kvguard", "faultlab": "faultlab"}
 
 
 def test_kvguard_ships_only_its_own_kernels():
@@ -270,14 +302,15 @@ def test_no_import_cycles():
     assert "faultlab.engine.engine" in graph and graph["faultlab.engine.engine"]  # the scan sees imports
 
 
-def test_every_package_folder_is_listed_in_pyproject():
-    """A non-editable `pip install .` ships only the listed packages: a folder left out would be missing."""
-    import tomllib
-
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(REPO).parts) for top in ("kvguard", "faultlab")
-             for p in (REPO / top).rglob("__init__.py")}
+@pytest.mark.parametrize("which", ["kvguard", "faultlab"])
+def test_every_package_folder_is_listed_in_pyproject(which):
+    """A non-editable install ships only the listed packages: a folder left out would be missing. kvguard's
+    pyproject lists kvguard's folders, faultlab's lists faultlab's (from the repository's faultlab/)."""
+    listed = set(pyproject(which)["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / which).rglob("__init__.py")}
     assert found == listed
+    if which == "faultlab":
+        assert pyproject(which)["tool"]["setuptools"]["package-dir"] == {"faultlab": "../../faultlab"}
 
 
 def test_faultlab_top_level_is_grouped_by_role():
@@ -287,3 +320,123 @@ def test_faultlab_top_level_is_grouped_by_role():
     folders = sorted(p.name for p in (REPO / "faultlab").iterdir() if (p / "__init__.py").exists())
     assert modules == ["oracle.py"], modules
     assert folders == ["chaos", "engine", "faults", "gpu", "sglang_gpu", "sglang_live", "testing"], folders
+
+
+# -- the two wheels: what a serving machine installs, and what it does not ------------------------------------------
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    """Both wheels, built offline (no build isolation: the environment's pinned setuptools) from a copy of the
+    sources, so that the build leaves nothing in the repository."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("wheels")
+    src, out = tmp / "src", tmp / "out"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("kvguard", "faultlab", "packaging"):
+        shutil.copytree(REPO / name, src / name, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(out), str(src), str(src / "packaging" / "faultlab")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {p.name.split("-")[0]: p for p in out.glob("*.whl")}
+    assert set(found) == {"kvguard", "faultlab"}, sorted(out.iterdir())
+    return found
+
+
+def wheel_files(wheel: Path) -> dict[str, str]:
+    """name -> text of the small metadata files; every other member with ''."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        return {n: zf.read(n).decode() if ".dist-info/" in n and not n.endswith("RECORD") else "" for n in zf.namelist()}
+
+
+def entry_point_groups(files: dict[str, str]) -> dict[str, dict[str, str]]:
+    import configparser
+
+    text = next(v for n, v in files.items() if n.endswith(".dist-info/entry_points.txt"))
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str
+    parser.read_string(text)
+    return {group: dict(parser[group]) for group in parser.sections()}
+
+
+def test_production_wheel_holds_kvguard_alone(wheels):
+    files = wheel_files(wheels["kvguard"])
+    tops = {n.split("/")[0] for n in files if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"kvguard"}, tops
+    assert not [n for n in files if "faultlab" in n.lower()]
+    modules = {n for n in files if n.endswith(".py")}
+    assert {"kvguard/sglang/__init__.py", "kvguard/sglang/plugin.py", "kvguard/sglang/dryrun.py",
+            "kvguard/kernels/tag_check.py", "kvguard/tracker.py"} <= modules
+    assert entry_point_groups(files) == {"sglang.srt.plugins": {"kvguard": "kvguard.sglang:register"},
+                                         "console_scripts": {"kvguard": "kvguard.sglang.dryrun:cli"}}
+    metadata = next(v for n, v in files.items() if n.endswith(".dist-info/METADATA"))
+    requires = dep_names([ln.split(":", 1)[1] for ln in metadata.splitlines() if ln.startswith("Requires-Dist:")])
+    assert requires == {"torch", "triton", "numpy", "structlog", "prometheus-client"}
+    assert "Provides-Extra" not in metadata
+
+
+def test_faultlab_wheel_holds_faultlab_and_its_injector(wheels):
+    files = wheel_files(wheels["faultlab"])
+    tops = {n.split("/")[0] for n in files if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"faultlab"}, tops
+    assert "faultlab/sglang_live/inject.py" in files and "faultlab/chaos/cli.py" in files
+    assert entry_point_groups(files) == {
+        "sglang.srt.plugins": {"faultlab_inject": "faultlab.sglang_live.inject:register"},
+        "console_scripts": {"faultlab": "faultlab.chaos.cli:main"}}
+    metadata = next(v for n, v in files.items() if n.endswith(".dist-info/METADATA"))
+    assert "Requires-Dist: kvguard==0.1.0" in metadata
+
+
+SGLANG_WITH_THE_WHEEL = r"""
+import json, site, sys
+wheel_dir, site_view = sys.argv[1], sys.argv[2]
+sys.path.insert(0, wheel_dir)
+site.addsitedir(site_view)
+import sglang.srt.plugins as plugins
+from importlib.metadata import entry_points
+plugins.load_plugins()
+try:
+    import faultlab
+    faultlab_found = faultlab.__file__
+except ModuleNotFoundError:
+    faultlab_found = None
+print(json.dumps({
+    "plugins": sorted([e.name, e.value, e.dist.name] for e in entry_points(group="sglang.srt.plugins")),
+    "kvguard": sys.modules["kvguard.sglang"].__file__ if "kvguard.sglang" in sys.modules else None,
+    "faultlab_modules": sorted(m for m in sys.modules if m.split(".")[0] == "faultlab"),
+    "faultlab": faultlab_found,
+}))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(180)
+def test_sglang_with_only_the_production_wheel_loads_kvguard_and_nothing_of_faultlab(wheels, tmp_path):
+    """A serving machine's environment: SGLang and its dependencies, and kvguard's wheel installed (unpacked),
+    neither this repository nor faultlab's install on the path. SGLang's own ``load_plugins`` finds kvguard's
+    entry point alone and loads it from the wheel; ``import faultlab`` fails there."""
+    import sysconfig
+    import zipfile
+
+    wheel_dir, site_view = tmp_path / "wheel", tmp_path / "site"
+    with zipfile.ZipFile(wheels["kvguard"]) as zf:
+        zf.extractall(wheel_dir)
+    site_view.mkdir()
+    ours = ("kvguard", "faultlab", "__editable__.kvguard", "__editable__.faultlab", "__editable___kvguard",
+            "__editable___faultlab")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(ours):
+            (site_view / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith(("KVGUARD_", "SGLANG_"))}
+    env["KVGUARD_MODE"] = "off"
+    proc = subprocess.run([sys.executable, "-S", "-c", SGLANG_WITH_THE_WHEEL, str(wheel_dir), str(site_view)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["plugins"] == [["kvguard", "kvguard.sglang:register", "kvguard"]], seen
+    assert seen["kvguard"] is not None and Path(seen["kvguard"]).is_relative_to(wheel_dir), seen
+    assert seen["faultlab_modules"] == [] and seen["faultlab"] is None, seen

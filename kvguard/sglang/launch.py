@@ -9,30 +9,28 @@ check, e.g. speculative decoding, exits with status 2 naming the path and why), 
 it spawns (they inherit the environment). The entry point (group ``sglang.srt.plugins``, name
 ``kvguard``) must be installed, i.e. kvguard installed in SGLang's environment; with ``SGLANG_PLUGINS``
 set, it must name ``kvguard`` (checked here too).
+
+``--dry-run`` (anywhere in the arguments) starts nothing: it prints the paths the launch line turns on, each
+checked or refused, and exits 0 (served) or 2 (refused): :mod:`kvguard.sglang.dryrun` (also ``kvguard check``).
 """
 import os
 import runpy
 import sys
 
-from ..incidents import prepare_dir
-from ..settings import SettingsError, TrackerConfig
+from .dryrun import environment_problem
+from .dryrun import main as dry_run
 
 
 def main(argv: list[str] | None = None) -> None:
-    os.environ.setdefault("KVGUARD_MODE", "check")
-    try:
-        config = TrackerConfig.from_env()
-        if config.mode == "check":
-            prepare_dir(config.incident_dir)
-    except SettingsError as err:
-        print(f"kvguard: refusing to start: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    allowed = os.environ.get("SGLANG_PLUGINS", "")
-    if allowed.strip() and "kvguard" not in {x.strip() for x in allowed.split(",")}:
-        print(f"kvguard: refusing to start: SGLANG_PLUGINS={allowed!r} does not include kvguard, so SGLang "
-              f"would not load it; add kvguard to SGLANG_PLUGINS", file=sys.stderr)
-        raise SystemExit(2)
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in args:  # say what kvguard would do with this launch line; start nothing
+        args.remove("--dry-run")
+        raise SystemExit(dry_run(args))
+    os.environ.setdefault("KVGUARD_MODE", "check")
+    problem = environment_problem(os.environ)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        raise SystemExit(2)
     if os.environ["KVGUARD_MODE"] == "check":
         message = _refusal(args)
         if message is not None:
