@@ -1,0 +1,79 @@
+"""Every path that frees a running request's KV takes kvguard's safe release (SGLang 0.5.23).
+
+SGLang frees a request's pages as its ``req_to_token`` row names them (``mem_cache.common.release_kv_cache``). For a
+request kvguard aborted that row is what is broken; for a running request SGLang releases between steps, the row
+was last checked a step before. Such releases free only what the request legitimately holds
+(:meth:`kvguard.sglang.follow.PoolFollower.releasing`), and a row that is not the request's own is never read or
+freed (:meth:`~kvguard.sglang.follow.PoolFollower.release_stale`).
+
+SGLang releases running requests between steps on three paths, all through ``schedule_batch.release_req`` (hooked
+here, :func:`around_release_req`): its retraction when the KV pool runs out (``ScheduleBatch.retract_decode``),
+``Scheduler.pause_generation(mode="retract")`` (``retract_all``, per /pause_generation call at runtime) and priority
+preemption (``PrefillAdder.preempt_to_schedule``, ``enable_priority_scheduling``: ``ScheduleBatch.release_req``).
+
+Only functions of this subpackage import SGLang, and only when they run.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("kvguard.sglang")
+
+
+def row_cause(guard, req) -> tuple[str, str]:
+    """Why ``req``'s row is not its own as kvguard knows it: (the violation's reason, what happened to the row)."""
+    row = req.kv.req_pool_idx
+    gens = getattr(guard.req_to_token_pool, "req_generation", None)
+    if row is not None and gens is not None and \
+            req.__dict__.get("kvguard_row_generation", int(gens[row])) != int(gens[row]):
+        return "stale_row", "was reallocated to another request (stale row)"
+    if req.__dict__.get("kvguard_row") is None:
+        return "unknown_row", "was never recorded by kvguard (a path kvguard does not follow handed it out)"
+    return "unknown_row", "was released while the request still ran (kvguard no longer follows it)"
+
+
+def owns_row(guard, req) -> bool:
+    """kvguard follows ``req``'s row as the request's own: recorded for it, not released since (``known``), not given
+    to another request since (SGLang's row generation). What :meth:`PoolFollower.stale_flags` tells per batch,
+    for one request."""
+    row = req.kv.req_pool_idx
+    if row is None or req.__dict__.get("kvguard_row") != int(row) or not bool(guard.known[int(row)]):
+        return False
+    gens = getattr(guard.req_to_token_pool, "req_generation", None)
+    return gens is None or req.__dict__.get("kvguard_row_generation", int(gens[row])) == int(gens[row])
+
+
+def safe_release(guard, original, req, tree_cache, *args, **kwargs):
+    """SGLang's ``release_kv_cache(req, tree_cache, ...)`` (``original``) for a request kvguard aborted or one SGLang
+    releases between steps: only the pages it legitimately holds go back; a row that is not its own (another
+    request's now, or one kvguard no longer follows) is neither read nor freed."""
+    if not req.kv.holds_kv:  # nothing in the KV pools (SGLang's own early return)
+        return original(req, tree_cache, *args, **kwargs)
+    if req.__dict__.get("kvguard_stale") or not owns_row(guard, req):
+        if not req.__dict__.get("kvguard_aborted"):
+            # Released between steps (retraction, pause, preemption) with a row that is not its own: counted, and
+            # released without touching the row. SGLang recomputes a retracted request from its tokens.
+            log.error("%s; released without touching that row", guard.stale_message(req, "released"))
+        return guard.release_stale(req, tree_cache)
+    with guard.releasing(req):
+        return original(req, tree_cache, *args, **kwargs)
+
+
+def around_release_req(original, *args, **kwargs):
+    """``schedule_batch.release_req``: SGLang releases a running request between steps (retraction, pause, preemption).
+
+    NOTE: each of these releases the request through its req_to_token row, unchecked since the step before. A row
+    broken since would free pages other requests still map and keep its own (measured on the CPU, swapped
+    entries: one page leaked, and SGLang's strict idle check stopped the server). While SGLang releases it, the
+    release is the safe one (:func:`safe_release`, through the hooked release_kv_cache): for an intact row, the
+    pages its row names (one device read per released request, only when SGLang releases one). The request is
+    recomputed from its tokens when readmitted (alloc_for_extend records it again); what its broken row named is
+    caught at the owners' next check."""
+    guard = getattr(kwargs.get("token_to_kv_pool_allocator"), "_kvguard", None)  # (release_req: keyword-only)
+    if guard is None:
+        return original(*args, **kwargs)
+    was, guard.retracting = guard.retracting, True
+    try:
+        return original(*args, **kwargs)
+    finally:
+        guard.retracting = was
