@@ -1,0 +1,79 @@
+"""A CPU ``sglang.Engine`` with EAGLE speculative decoding for faultlab's harness, and the clean-step sweep.
+
+    python -m faultlab.sglang_live.spec_run OUT_DIR [--episodes 9] [--no-overlap] [--mode check]
+
+runs fault-free episodes of :data:`SWEEP_WORKLOAD` on one EAGLE (3/1/4) engine through
+:mod:`faultlab.sglang_live.harness` and prints the spec steps SGLang ran (faultlab's count of
+``prepare_for_decode`` calls: one per verify step of the batch), the requests, and the requests that got an error
+(a false abort with ``KVGUARD_MODE=check``). tests/test_faultlab/test_sglang_live/test_sglang_spec.py builds its
+engines with :func:`engine_spec`.
+
+What makes SGLang's spec path run on a plain CPU (tests only): SGLang's Triton attention backend and its spec tree
+ops under Triton's interpreter (``TRITON_INTERPRET=1``; :mod:`.cpu_spec`), CUDA graphs off, a one-layer dummy EAGLE
+draft (``LlamaForCausalLMEagle``; ``LlamaForCausalLMEagle3`` needs ``draft_vocab_size``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .harness import spawn, write_model
+from .plan import ENV_CPU_SPEC
+
+CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+DRAFTS = {"EAGLE": {"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1},
+          "EAGLE3": {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 1000},
+          # the target's own config: the same dummy weights (seeded by name), so its drafts are accepted
+          "STANDALONE": {}}
+WORKLOAD = {"n1": 3, "n2": 0, "prefix": 24, "new1": 12, "new2": 4}  # a test episode: few requests, few steps
+SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~100 verify steps of 8 requests each
+
+
+def engine_spec(folder: str, *, overlap: bool, mode: str, episodes: list, algorithm: str = "EAGLE",
+                workload: dict | None = None) -> dict:
+    """The harness spec of a CPU EAGLE engine (page size 1, chain 3/1/4), its draft model written into ``folder``."""
+    draft = write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm])
+    return {"device": "cpu", "page_size": 1, "overlap": overlap, "attention_backend": "triton",
+            "env": {"KVGUARD_MODE": mode, "TRITON_INTERPRET": "1", ENV_CPU_SPEC: "1"},
+            "workload": {**WORKLOAD, **(workload or {})},
+            # NOTE: one KV split per request in the Triton decode kernel: fewer interpreted programs (a speed knob)
+            "engine": {"speculative_algorithm": algorithm, "speculative_draft_model_path": draft, **CHAIN,
+                       "disable_cuda_graph": True, "triton_attention_num_kv_splits": 1},
+            "episodes": episodes}
+
+
+def summary(result: dict) -> dict:
+    """Spec steps run, requests, and the requests that got an error (per run of the harness)."""
+    eps = result.get("episodes", [])
+    steps = max([e["idle_check"]["decode_steps"] for e in eps if e.get("idle_check")] or [0])
+    errors = [r["rid"] for e in eps for r in e["requests"] if r["error"]]
+    return {"episodes": len(eps), "spec_steps": steps, "requests": sum(len(e["requests"]) for e in eps),
+            "errors": errors, "balanced": all(e["idle_check"] and e["idle_check"]["balanced"] for e in eps),
+            "startup_s": result.get("startup_s"), "seconds": sum(e["seconds"] for e in eps)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--episodes", type=int, default=9)
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--mode", default="check")
+    parser.add_argument("--algorithm", default="EAGLE", choices=sorted(DRAFTS))
+    parser.add_argument("--faults", default="", help="comma-separated spec faults, one episode each, after the clean ones")
+    parser.add_argument("--timeout", type=float, default=3 * 3600)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    episodes = [{"label": f"sweep{i}", "fault": None} for i in range(args.episodes)]
+    episodes += [{"label": f.replace("_", ""), "fault": f, "seed": 1} for f in args.faults.split(",") if f]
+    spec = engine_spec(args.out_dir, overlap=not args.no_overlap, mode=args.mode, episodes=episodes,
+                       algorithm=args.algorithm, workload=SWEEP_WORKLOAD if not args.faults else None)
+    rc, result, stderr = spawn(spec, args.out_dir, "sweep", args.timeout)
+    out = {"rc": rc, **(summary(result) if result else {"error": stderr[-2000:]})}
+    print(json.dumps(out))
+    return 0 if rc == 0 and result and not out["errors"] and out["balanced"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
