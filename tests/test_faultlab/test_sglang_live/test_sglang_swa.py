@@ -1,0 +1,127 @@
+"""kvguard on a sliding-window hybrid (GPT-OSS shaped), through SGLang 0.5.23's real code on the CPU.
+
+kvguard's path registry (kvguard/sglang/paths.py) names this file as the evidence for ``sliding_window``.
+One ``sglang.Engine`` of a tiny GPT-OSS (``families.GPT_OSS``: sliding window 16 beside full attention;
+``ModelConfig.is_hybrid_swa``, so SGLang builds ``SWAKVPool`` and ``SWATokenToKVPoolAllocator``) with
+``KVGUARD_MODE=check``, in a process of its own (faultlab.sglang_live.harness), serves a fault-free episode and one
+per SWA fault (faultlab/sglang_live/inject.py):
+
+* ``swa_cleared_entry``: a full slot inside a request's window maps to SWA slot 0 (a cleared entry);
+* ``swa_foreign_entry``: it maps to another request's SWA page;
+* ``swa_freed_slot``: its SWA page is freed while in the window, and handed to the next SWA allocation;
+
+Asserted per fault episode: exactly the injector's victims (its ground truth, never read from kvguard) get a
+kvguard error, every other request's output tokens equal the fault-free episode's, and SGLang's idle accounting
+(full and SWA pools, rows) is balanced afterwards; per fault-free episode: no request aborted although SGLang
+slides every request's window (its sequences outgrow the window: out-of-window SWA pages are freed as it decodes).
+
+The engine: SGLang's Triton attention under Triton's interpreter (``TRITON_INTERPRET=1``; the torch-native backend
+does not read SWA layers through the map), one KV split, page size 1, radix cache and overlap scheduler on (SGLang's
+defaults).
+
+The soak (0 false aborts over >= 1,000 clean decode steps) runs from the command line, on the same engine:
+``FAULTLAB_SWA_SOAK=4 pytest tests/test_faultlab/test_sglang_live/test_sglang_swa.py -s`` (four more fault-free
+episodes of ~320 decode steps each; the clean test then asserts >= 1,000). ``FAULTLAB_SWA_PAGE_SIZE=16`` runs the
+same at page size 16.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from live_episodes import assert_victims_aborted, by_index, episode
+
+from faultlab.sglang_live.families import GPT_OSS
+from faultlab.sglang_live.plan import SWA_FAULTS
+
+SOAKS = int(os.environ.get("FAULTLAB_SWA_SOAK", "0"))
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600 + 900 * SOAKS)]
+
+SEED = 1
+ENGINE_TIMEOUT = 560
+CLASSES = list(SWA_FAULTS)
+WORKLOAD = {"n1": 3, "n2": 1, "prefix": 12, "new1": 20, "new2": 6}
+SOAK = {"n1": 8, "n2": 4, "new1": 200, "new2": 120, "wave2": "finished"}
+PAGE_SIZE = int(os.environ.get("FAULTLAB_SWA_PAGE_SIZE", "1"))
+SPEC = {
+    "log_level": "error", "page_size": PAGE_SIZE, "radix": True, "overlap": True, "model": GPT_OSS,
+    "attention_backend": "triton", "workload": WORKLOAD,
+    "engine": {"disable_cuda_graph": True, "triton_attention_num_kv_splits": 1},
+    "env": {"KVGUARD_MODE": "check", "TRITON_INTERPRET": "1"},
+}
+
+
+def _label(fault: str) -> str:
+    return fault.replace("_", "")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from faultlab.sglang_live.harness import spawn
+
+    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
+    episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
+    episodes += [{"label": f"soak{i}", "fault": None, "seed": SEED, "workload": SOAK} for i in range(SOAKS)]
+    t0 = time.time()
+    rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("swa")), "swa",
+                               ENGINE_TIMEOUT + 900 * SOAKS)
+    if result is None or not result.get("started"):
+        pytest.fail(f"sglang.Engine (GPT-OSS) did not start (rc {rc}):\n{stderr[-4000:]}")
+    eps, previous = {}, 0
+    for ep in result["episodes"]:
+        steps = (ep.get("idle_check") or {}).get("decode_steps")
+        ep["steps"] = None if steps is None else steps - previous
+        previous = steps if steps is not None else previous
+        eps[ep["label"]] = ep
+    died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
+    deaths = {} if not died else {died.get("during"): f"server died (rc {rc}):\n" + "\n".join(
+        ln for ln in stderr.splitlines()[-40:] if "Error" in ln or "kvguard" in ln)}
+    run = {"name": "gpt_oss", "episodes": eps, "deaths": deaths, "events": result.get("events", []),
+           "stderr": stderr}
+    print(f"gpt_oss: startup {result['startup_s']:.0f} s, {time.time() - t0:.0f} s in all; "
+          + ", ".join(f"{label}: {ep['steps']} steps" for label, ep in eps.items()))
+    return run
+
+
+def _balanced(run: dict, ep: dict) -> None:
+    if ep["label"] in run["deaths"]:
+        pytest.fail(run["deaths"][ep["label"]])
+    idle = ep["idle_check"]
+    assert idle is not None, f"{ep['label']}: no idle accounting check was logged afterwards"
+    assert idle["balanced"], f"{ep['label']}: SGLang's pool accounting afterwards: {idle}"
+
+
+def _clean(run: dict, label: str) -> dict:
+    ep = episode(run, label)
+    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+    assert errors == {}, f"{label}: false aborts {errors}"
+    assert all(r["output_ids"] for r in ep["requests"])
+    _balanced(run, ep)
+    return ep
+
+
+def test_swa_pools_followed(hybrid):
+    pools = [e for e in hybrid["events"] if e["event"] == "pools"]
+    assert pools and pools[0]["allocator"] == "SWATokenToKVPoolAllocator", pools
+    _clean(hybrid, "clean")
+
+
+@pytest.mark.parametrize("fault", CLASSES)
+def test_swa_fault_exactly_victims_aborted(hybrid, fault):
+    clean, ep = episode(hybrid, "clean"), episode(hybrid, _label(fault))
+    victims = assert_victims_aborted(ep, fault)
+    ref = by_index(clean)
+    wrong = {i: (r["output_ids"], ref[i]["output_ids"]) for i, r in by_index(ep).items()
+             if r["rid"] not in victims and r["output_ids"] != ref[i]["output_ids"]}
+    assert wrong == {}, f"{fault}: non-victims' tokens differ from the fault-free episode: {wrong}"
+    assert all("swa_mapping" in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]
+    _balanced(hybrid, ep)
+
+
+def test_clean_episodes_no_false_aborts(hybrid):
+    labels = ["clean"] + [f"soak{i}" for i in range(SOAKS)]
+    steps = sum(_clean(hybrid, label)["steps"] for label in labels)
+    print(f"fault-free decode steps: {steps}, false aborts: 0")
+    if SOAKS:
+        assert steps >= 1000, f"only {steps} fault-free decode steps"
