@@ -1,0 +1,138 @@
+"""PD disaggregation over SGLang's real Mooncake transfer engine (TCP, host memory), on the CPU.
+
+kvguard's path registry (kvguard/sglang/paths.py) names this file as the evidence for ``pd_decode_mooncake`` and
+``pd_prefill_mooncake``. One prefill and one decode ``sglang.Engine``, each in a process of its own
+(faultlab/sglang_live/pd_pair.py), every request sent to both with one bootstrap room, as SGLang's router does (a
+request the prefill server fails is then aborted on the decode server); SGLang's bootstrap server runs in the
+prefill server, the KV moves through Mooncake's ``TransferEngine`` (``mooncake-transfer-engine-non-cuda``,
+``MOONCAKE_PROTOCOL=tcp``). Both servers run ``KVGUARD_MODE=check``. The decode server's deferred-release timeout is
+1 s (SGLang's default: 30 s), so without kvguard an aborted transfer's destination would go back to the allocator
+while its held write (faultlab/sglang_live/pd_faults.py) is still on its way.
+
+Episodes, in order: fault-free; ``prefill_index_shift`` on the prefill server; ``swapped_entries`` on the decode
+server (the injector's victims are ground truth); a transfer aborted on the decode server while the prefill holds
+its send (the write lands after the abort) with three requests decoding meanwhile; fault-free again. Skipped only
+where the Mooncake engine cannot import (its wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+mooncake = pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (mooncake-transfer-engine-"
+                                                         "non-cuda) does not import here")
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
+
+NEW = 12
+HOLD_S = 5.0
+LONG = 120  # the running requests decode through the hold
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 1000) for _ in range(24 + 3 * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    from faultlab.sglang_live.pd_pair import Pair
+
+    folder = str(tmp_path_factory.mktemp("pd_mooncake"))
+    trigger = os.path.join(folder, "hold-next-send")
+    plan = '[{"fault": "swapped_entries", "seed": 1, "rid_prefix": "swap-a", "min_candidates": 2, "step": 3, ' \
+           '"label": "swap"}]'
+    pair = Pair(folder, {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{HOLD_S}",
+                         "FAULTLAB_SGLANG_PD_PREFILL_SHIFT": "pshift-"},
+                {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_FAULTS": plan,
+                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"})
+    prompts = _prompts(5)  # the last one is the prefill fault's own (a prompt seen before is a radix hit there)
+    out = {}
+    try:
+        out["clean"] = pair.generate([(f"clean-{i}", p, NEW) for i, p in enumerate(prompts[:4])])
+        out["pshift"] = pair.generate([("pshift-4", prompts[4], NEW)] +
+                                      [(f"pb-{i}", p, NEW) for i, p in enumerate(prompts[1:4], 1)])
+        rids = ["swap-a0", "swap-a1", "swap-b2", "swap-b3"]
+        out["swap"] = pair.generate([(rid, p, NEW) for rid, p in zip(rids, prompts)])
+        time.sleep(1.0)
+        out["swap_idle"] = pair.idle_checks(time.time())
+        # a transfer aborted mid-flight: requests decode; the prefill holds the next send HOLD_S seconds; the decode
+        # server aborts that request while its write is on its way (same transfer shard: it lands before any later
+        # transfer, so only pages the running requests grow into can take it)
+        for i, p in enumerate(prompts[1:4], 1):
+            pair.send((f"run-{i}", p, LONG))
+        time.sleep(2.0)  # they decode by now
+        open(trigger, "w").close()
+        t = time.time()
+        pair.send(("late-0", prompts[0], NEW))
+        while os.path.exists(trigger) and time.time() - t < 120:  # the prefill's worker took it: the send is held
+            time.sleep(0.05)
+        assert not os.path.exists(trigger), "late-0's KV send never started"
+        held = time.time()
+        time.sleep(0.5)
+        pair.decode.send({"op": "abort", "rid": "late-0"})
+        out["late"] = pair.answers(["late-0"])
+        out["run"] = pair.answers([f"run-{i}" for i in (1, 2, 3)])
+        out["late_s"] = time.time() - t
+        time.sleep(max(0.0, HOLD_S + 2.0 - (time.time() - held)))  # the held send landed (and was acked)
+        out["clean2"] = pair.generate([(f"clean2-{i}", p, LONG) for i, p in enumerate(prompts[:4])])
+        time.sleep(1.0)
+        out["idle"] = pair.idle_checks(time.time())
+    finally:
+        out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
+        out["prefill_answers"] = pair.prefill_answers()
+        pair.close()
+        with open(os.path.join(folder, "out.json"), "w") as f:
+            json.dump(out, f)
+    with open(os.path.join(folder, "decode.stderr")) as f:
+        out["decode_stderr"] = f.read()
+    return out
+
+
+def test_pd_mooncake_clean_requests_are_served(pd):
+    clean = pd["clean"]
+    assert all(r["error"] is None and len(r["output_ids"]) == NEW for r in clean.values()), clean
+    for i in range(4):
+        assert pd["clean2"][f"clean2-{i}"]["output_ids"][:NEW] == clean[f"clean-{i}"]["output_ids"]
+
+
+def test_pd_mooncake_prefill_fault_aborts_exactly_its_victim(pd):
+    inject = [e for e in pd["prefill_events"] if e["event"] == "inject" and e.get("fault") == "prefill_index_shift"]
+    assert [e["victims"] for e in inject] == [["pshift-4"]], inject
+    victim = pd["pshift"]["pshift-4"]  # the prefill aborted it (kvguard), the router then aborted it on the decode
+    assert victim["error"] is not None and victim["output_ids"] is None, victim
+    assert "kvguard" in pd["prefill_answers"]["pshift-4"]["error"], pd["prefill_answers"]["pshift-4"]
+    for i in (1, 2, 3):
+        got = pd["pshift"][f"pb-{i}"]
+        assert got["error"] is None and got["output_ids"] == pd["clean"][f"clean-{i}"]["output_ids"], (i, got)
+
+
+def test_pd_mooncake_decode_fault_aborts_exactly_its_victims(pd):
+    inject = [e for e in pd["decode_events"] if e["event"] == "inject" and e.get("label") == "swap"]
+    assert inject, "the injector did not strike on the decode server"
+    victims = set(inject[0]["victims"])
+    assert victims, inject
+    for i, rid in enumerate(["swap-a0", "swap-a1", "swap-b2", "swap-b3"]):
+        r = pd["swap"][rid]
+        if rid in victims:
+            assert r["error"] and "kvguard" in r["error"], (rid, r)
+        else:
+            assert r["error"] is None and r["output_ids"] == pd["clean"][f"clean-{i}"]["output_ids"], (rid, r)
+    assert all(c is not None and c["balanced"] for c in pd["swap_idle"].values()), pd["swap_idle"]
+
+
+def test_pd_mooncake_aborted_transfer_lands_late_in_no_one_elses_pages(pd):
+    late = pd["late"]["late-0"]
+    assert late["error"] is not None, late
+    for i in (1, 2, 3):  # decoding while the aborted transfer was on its way: untouched by its late write
+        got = pd["run"][f"run-{i}"]
+        assert got["error"] is None, got
+        assert got["output_ids"] == pd["clean2"][f"clean2-{i}"]["output_ids"], (i, got)
+    held = [ln for ln in pd["decode_stderr"].splitlines() if "kvguard: request late-0's transfer" in ln]
+    assert held and "held until" in held[0], "kvguard did not hold the aborted transfer's destination"
+    assert "Deferred KV release" not in pd["decode_stderr"], "SGLang released a destination on its timeout"
+    assert all(c is not None and c["balanced"] for c in pd["idle"].values()), pd["idle"]
