@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 # Two distributions from this repository: kvguard (pyproject.toml: what a serving machine installs) and faultlab
 # (packaging/faultlab/pyproject.toml: the test rig), both installed here, editable.
 $(STAMP): requirements.txt constraints.txt pyproject.toml packaging/faultlab/pyproject.toml
+	# The Mooncake transfer engine's native library (requirements.txt) links against Debian's RDMA and NUMA
+	# libraries; installed where this runs as root with apt (else its PD test skips: it cannot import).
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1; fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
 	$(VENV)/bin/pip install -q -c constraints.txt -r requirements.txt

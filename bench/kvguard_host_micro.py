@@ -44,7 +44,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
 
     from faultlab.sglang_gpu import profiler, timers
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
-    from kvguard.sglang import plugin
+    from kvguard.sglang import plugin, stale
 
     torch.set_num_threads(1)  # no intra-op worker threads beside the one being timed (steadier figures)
     if not torch.distributed.is_initialized():
@@ -80,7 +80,9 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
         alloc_original = alloc_original.__wrapped__
 
     timed = {
-        "update_running_batch": prof.timed("update_running_batch", plugin._around_update_running_batch, around=True),
+        # the stale-row abort before the step (kvguard.sglang.stale; until issue 47 on update_running_batch)
+        "reqs_finishing_inflight": prof.timed("reqs_finishing_inflight", stale.around_reqs_finishing_inflight,
+                                              around=True),
         "alloc_for_decode": prof.timed("alloc_for_decode", plugin._around_alloc_for_decode, around=True),
         "graph_execute": prof.timed("graph_execute", plugin._around_graph_execute, around=True),
         "process_batch_result_decode": prof.timed("process_batch_result_decode",
@@ -104,7 +106,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
         noop = lambda *a, **k: None  # noqa: E731
     for step in range(steps):
         before = {n: prof.per_fn.get(n, [0, 0.0])[1] for n in names}
-        timed["update_running_batch"](noop, scheduler, batch)
+        timed["reqs_finishing_inflight"](noop, scheduler, batch)
         batch.forward_mode = ForwardMode.DECODE
         noop()
         batch.out_cache_loc = timed["alloc_for_decode"](alloc_original, batch, 1)

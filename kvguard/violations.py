@@ -10,7 +10,8 @@ log = structlog.get_logger("kvguard")
 # that an alert's series exists before the first violation).
 PEER_RANK = "peer_rank"  # a violation found by another tensor-parallel rank only
 REASONS = ("tag_mismatch", "out_of_range", "unrecorded", "misplaced_in_page", "bad_row", "unchecked",
-           "stale_row", "transfer_target_changed", PEER_RANK)
+           "stale_row", "unknown_row", "transfer_target_changed",
+           "state_slot", PEER_RANK)
 
 
 @dataclass(frozen=True)

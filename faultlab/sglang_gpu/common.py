@@ -83,7 +83,10 @@ def setup_env(a) -> None:
     if not a.cpu:
         # On the GPU machine the project is not pip-installed: declare its own plugins (kvguard, and
         # faultlab's test-only injector, which registers nothing unless its variables are set).
+        # Two distributions (pyproject.toml: kvguard; packaging/faultlab/pyproject.toml: faultlab, its injector).
         write_dist_info(EP_DIR, "kvguard", project_plugin_entry_points(os.path.join(ROOT, "pyproject.toml")))
+        write_dist_info(EP_DIR, "faultlab", project_plugin_entry_points(
+            os.path.join(ROOT, "packaging", "faultlab", "pyproject.toml")))
     paths = [ROOT, EP_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if EP_DIR not in sys.path:

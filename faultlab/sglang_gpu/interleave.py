@@ -10,7 +10,7 @@ is drawn from a seeded generator, so neither mode sits on a fixed phase of the p
 page every ``page_size`` steps) or of anything else periodic. The first step of every block is left out (the
 overlap scheduler's in-flight batch straddles the switch).
 
-What the "off" steps leave out is kvguard's per-step check: the stale-row test (``update_running_batch``), the
+What the "off" steps leave out is kvguard's per-step check: the stale-row test (``_reqs_finishing_inflight``), the
 arming of the check (the ``alloc_for_decode`` hook runs only its bookkeeping half,
 ``kvguard.sglang.plugin.record_alloc_for_decode``) and the verdict's read (``process_batch_result_decode``); see
 :data:`CHECK_HOOKS`. Everything that keeps kvguard's record of the pages true goes on in both modes, since
@@ -34,7 +34,7 @@ from faultlab.sglang_gpu.workload import pct
 
 INTERLEAVE_ENV = "KVGUARD_BENCH_INTERLEAVE"  # "B:SEED": block length in decode iterations, schedule seed
 # kvguard's hooks an "off" step passes straight to SGLang (the per-step check); all others run in both modes
-CHECK_HOOKS = ("Scheduler.update_running_batch", ".alloc_for_decode", "process_batch_result_decode")
+CHECK_HOOKS = ("Scheduler._reqs_finishing_inflight", ".alloc_for_decode", "process_batch_result_decode")
 ON, OFF, SKIP = 1, 0, -1  # an iteration's label: check on, check off, left out (a block's first step)
 MIN_BLOCK = 2  # decode iterations per block at least: its first is left out
 

@@ -93,7 +93,7 @@ def register_tp_path() -> None:
     each batch is prepared (not captured into SGLang's decode graphs), its verdict all-reduced across the ranks
     over kvguard's own NCCL communicator and read with the step's result. With one GPU there is no second rank, so
     this serves that path over the one-rank group SGLang creates at TP 1 (kvguard's lookup,
-    ``kvguard.sglang.plugin._attn_tp``, with ``min_ranks=1``): the host work per step is the TP path's, the
+    ``kvguard.sglang.runtime._attn_tp``, with ``min_ranks=1``): the host work per step is the TP path's, the
     all-reduce's enqueue over a one-rank communicator included (not a peer's wait). A stand-in for measuring the
     path's host cost, not a TP run.
     """
@@ -101,9 +101,9 @@ def register_tp_path() -> None:
         return
     import functools
 
-    import kvguard.sglang.plugin as plugin
+    import kvguard.sglang.runtime as runtime
 
-    plugin._attn_tp = functools.partial(plugin._attn_tp, min_ranks=1)
+    runtime._attn_tp = functools.partial(runtime._attn_tp, min_ranks=1)
 
 
 def register_bench() -> None:

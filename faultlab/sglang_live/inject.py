@@ -23,6 +23,17 @@ Environment
     JSON-lines log path (default ``faultlab_sglang.jsonl`` in the working directory).
 ``FAULTLAB_SGLANG_CPU_ROTARY=1``
     Install the torch rotary op SGLang needs on a plain CPU device (:mod:`.cpu_rotary`); tests only.
+``FAULTLAB_SGLANG_CPU_SPEC=1``
+    Point SGLang's speculative tree build / greedy verify at its own Triton (XPU) implementations on a plain
+    CPU device (:mod:`.cpu_spec`; with ``TRITON_INTERPRET=1``); tests only.
+``FAULTLAB_SGLANG_CPU_MAMBA=1``
+    Bind SGLang's mamba2 causal-conv1d names to its own Triton implementations (its XPU branch) on a plain CPU
+    device (:mod:`.cpu_mamba`; with ``TRITON_INTERPRET=1``); tests only.
+``FAULTLAB_SGLANG_CPU_PD=1``
+    SGLang's Mooncake prefill send path on a plain CPU device (:mod:`.cpu_pd`); tests only.
+``FAULTLAB_SGLANG_PD_SLOW_SEND=<trigger>:<seconds>``, ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT=<rid prefix>``
+    PD over Mooncake (:mod:`.pd_faults`): hold the prefill's next send while the trigger file exists (a transfer
+    aborted in flight lands late); ``prefill_index_shift`` on the prefill server.
 ``FAULTLAB_SGLANG_DUMMY_INIT=<std>``
     After SGLang's dummy loader, re-draw every weight from a seeded normal (std ``<std>`` scaled by
     1/sqrt(fan-in); norms 1.0), so that a tiny dummy model's output depends on its KV cache (SGLang's
@@ -108,6 +119,31 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     of the decode batch that holds one of A's pages (A is not: it finished; nor is a request whose own
     transfer has not landed yet: that transfer overwrites the late write and stamps its own ticket).
 
+``mamba_index_swap``  hybrid linear-attention / mamba models (a ``HybridReqToTokenPool``): when armed, candidate
+    A's state index (``req_index_to_mamba_index_mapping[A's row]``, what the forward's linear-attention layers
+    read) is set to candidate B's state slot; every Req keeps its own ``mamba_pool_idx``. Victim: A (B is not: a
+    guard must keep A's forward off B's state).
+``mamba_slot_reuse``  hybrid models, at a reuser's prefill (before SGLang allocates): candidate A's state slot is
+    put at the head of the slot allocator's free list (``MambaSlotAllocator.free_slots``) while A still holds it,
+    so the reuser's ``HybridReqToTokenPool.alloc`` receives it. Victim: A (the reuser, the slot's new holder, is
+    not).
+
+``swa_cleared_entry``  sliding-window hybrids (``SWATokenToKVPoolAllocator``): when armed, candidate A's full slot at a
+    position its next decode step reads through the sliding window gets its ``full_to_swa_index_mapping`` entry
+    cleared (0, SGLang's padding slot). Victim: A.
+``swa_foreign_entry``  the same entry pointed at candidate B's SWA page (at an in-window position of B's). Victim: A
+    (B is not: a guard must keep A's sliding-window layers off B's slot).
+``swa_freed_slot``  the SWA page behind that entry freed through the SWA sub-allocator to the head of its free list
+    (the entry left as it is), so the next SWA allocation reuses it. Victim: A (the page's next holder is not).
+
+``spec_region_entry``, ``draft_slot_reused``, ``rejected_page_freed``  speculative decoding only (a spec engine),
+    when armed, between two spec steps, in candidate A's region ``[kv_committed_len, kv_allocated_len)`` that
+    ``alloc_for_spec_decode`` reserved (the step's draft and verify forwards read and write there): an entry of it
+    points at a page another candidate B holds privately; or at a slot of B's reserved region (both requests'
+    draft forwards address one draft-pool slot); or A's last reserved slot is freed to the head of the free list
+    while A's row still maps it (the step's allocation hands it out again). Victim: A (B and the slot's new holder
+    are not). See ``strikes._strike_spec``.
+
 ``shared_row`` lines (``rids``, ``rows``) name every decode step that SGLang is about to prepare with two
 requests on one ``req_to_token`` row (a stale row still scheduled next to its new owner).
 
@@ -131,6 +167,8 @@ import time
 from . import strikes
 from .plan import (
     ENV_ACCOUNTING,
+    ENV_CPU_MAMBA,
+    ENV_CPU_SPEC,
     ENV_DUMMY,
     ENV_FAULTS,
     ENV_KV_WATCH,
@@ -169,6 +207,22 @@ def register(env=None) -> bool:
         from . import cpu_rotary
 
         cpu_rotary.install()
+    if env.get(ENV_CPU_SPEC) == "1":
+        from . import cpu_spec
+
+        cpu_spec.install()
+    if env.get(ENV_CPU_MAMBA) == "1":
+        from . import cpu_mamba
+
+        cpu_mamba.install()
+    if env.get("FAULTLAB_SGLANG_CPU_PD") == "1":  # (faultlab/sglang_live/cpu_pd.py: ENV_VAR)
+        from . import cpu_pd
+
+        cpu_pd.install()
+    if env.get("FAULTLAB_SGLANG_PD_SLOW_SEND") or env.get("FAULTLAB_SGLANG_PD_PREFILL_SHIFT"):
+        from . import pd_faults  # PD over Mooncake: a held send, a prefill-side fault
+
+        pd_faults.install(env)
     try:
         plan = parse_plan(env.get(ENV_FAULTS, ""), env.get(ENV_SEED, "0"))
     except PlanError as exc:

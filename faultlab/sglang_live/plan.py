@@ -12,6 +12,8 @@ ENV_FAULTS = "FAULTLAB_SGLANG_FAULTS"
 ENV_SEED = "FAULTLAB_SGLANG_SEED"
 ENV_LOG = "FAULTLAB_SGLANG_LOG"
 ENV_ROTARY = "FAULTLAB_SGLANG_CPU_ROTARY"
+ENV_CPU_SPEC = "FAULTLAB_SGLANG_CPU_SPEC"
+ENV_CPU_MAMBA = "FAULTLAB_SGLANG_CPU_MAMBA"
 ENV_DUMMY = "FAULTLAB_SGLANG_DUMMY_INIT"
 ENV_ACCOUNTING = "FAULTLAB_SGLANG_ACCOUNTING"
 ENV_KV_WATCH = "FAULTLAB_SGLANG_KV_WATCH"
@@ -32,7 +34,17 @@ ROW_FAULTS = ("stale_batch_row",)
 # PD decode only (disaggregation_mode="decode", fake transfer backend, faultlab's prefill writer on):
 # strikes between two decode steps of the reusers, once every reuser decodes.
 PD_FAULTS = ("late_transfer_write",)
-FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + (CONTROL, ABORT_CONTROL)
+# Speculative decoding only (a spec engine: kvguard/sglang/spec.py): strike at arming, between two spec steps, in the
+# region alloc_for_spec_decode reserved past the committed length (faultlab/sglang_live/strikes.py: _strike_spec).
+SPEC_FAULTS = ("spec_region_entry", "rejected_page_freed", "draft_slot_reused")
+# Hybrid linear-attention / mamba models only (a HybridReqToTokenPool): mamba_index_swap strikes when armed, like a
+# decode fault; mamba_slot_reuse at a reuser's prefill, like a reuser fault (faultlab/sglang_live/strikes.py).
+MAMBA_FAULTS = ("mamba_index_swap", "mamba_slot_reuse")
+# Sliding-window hybrids only (SWATokenToKVPoolAllocator): strike when armed, like a decode fault, at a position inside
+# the victim's window (faultlab/sglang_live/strikes.py: _strike_swa).
+SWA_FAULTS = ("swa_cleared_entry", "swa_foreign_entry", "swa_freed_slot")
+FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + SPEC_FAULTS + MAMBA_FAULTS + SWA_FAULTS \
+    + (CONTROL, ABORT_CONTROL)
 # what a sweep or a GPU fault run covers by default: the classes of the plain serving path (the aggregated
 # engine), in this order, and the twin control. ROW_FAULTS and PD_FAULTS are run by
 # tests/test_faultlab/test_sglang_live/test_sglang_paths.py.

@@ -8,7 +8,8 @@ pools and every other allocator in the process stay untouched):
 - the allocator's ``free`` / ``free_page_ids`` entry points, which pass through unchanged except while an
   aborted request is being released (:meth:`PoolFollower.releasing`): then only pages that request still
   legitimately holds reach the free list;
-- the tree's ``checkpoint`` (the tree adopts a request's pages, or repoints its row to the tree's copy);
+- the tree's ``checkpoint`` (the tree adopts a request's pages, or repoints its row to the tree's copy),
+  behind a gate while a verdict on the request is unread (:mod:`kvguard.sglang.radix`);
 - the row pool's ``free_rows`` (a released row's expectations are dropped).
 
 The check and the abort built on it are :class:`kvguard.sglang.guard.SGLangGuard`.
@@ -28,6 +29,7 @@ import torch
 from ..settings import TrackerConfig
 from ..tags import UNSET
 from ..tracker import TagTracker
+from .radix import RadixTags
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -41,7 +43,7 @@ class BatchRows:
     n: int
     version: int  # PoolFollower.known_version at build time
     owner: torch.Tensor  # int64 [B] host, -1: not recorded
-    owner_dev: torch.Tensor  # the same on the pools' device, clamped at 0 (unknown entries are not checked)
+    owner_dev: torch.Tensor  # the same on the pools' device, clamped at 0 (an unknown row's request: stale_flags)
     known: torch.Tensor  # bool [B] host: kvguard follows the entry's row
     all_known: bool
     unknown_dev: torch.Tensor | None  # ~known on the pools' device (None when all are known)
@@ -67,19 +69,15 @@ class PoolFollower:
         self.max_pages = math.ceil(table.shape[1] / ps)
         self.tracker.attach(num_pages=self.num_pages + 1, num_rows=self.num_rows, max_entries=self.max_pages,
                             device=self.device, page_size=ps)
-        # The tag each page carried when the radix tree adopted it (UNSET: not a tree page we saw). A
-        # request that matches a tree prefix expects these tags, never the page's current tag: a tree
-        # page freed while the tree still references it is then caught for every later match.
-        self.tree_tags = torch.full((self.num_pages + 1,), UNSET, dtype=torch.int64, device=self.device)
-        # Rows whose expectations kvguard recorded itself (host side, no sync to read). Rows filled by
-        # paths kvguard does not follow (PD decode prealloc, dLLM reuse) are never checked: no false
-        # positives from coverage gaps.
+        self.radix = RadixTags(self)  # the tags the radix tree adopted its pages with, its publish gate
+        # Rows whose expectations kvguard recorded itself (host side, no sync to read). A request in a batch whose
+        # row is not known is a violation (stale_flags): aborted, never run with its entries unchecked.
         self.known = torch.zeros(self.num_rows, dtype=torch.bool)
         self.known_version = 0  # bumped on every change of `known` (what a batch's cached rows depend on)
         self._warned: set[str] = set()
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
-        self.retracting = False  # inside SGLang's retract_decode: its releases free only legitimate pages
+        self.retracting = False  # inside SGLang's release_req (kvguard.sglang.release): safe releases only
         self._fresh: torch.Tensor | None = None  # tags of the last allocation's slots, allocation order
         # While SGLang allocates a decode step (defer_bump, set around that one call): its pages are bumped by
         # the step's record launch (pending_alloc), not by a launch of their own; flush_alloc() if not recorded.
@@ -194,10 +192,7 @@ class PoolFollower:
         checkpoint = tree.checkpoint
 
         def _checkpoint(req, *args, **kwargs):
-            old = req.kv.cache_protected_len
-            result = checkpoint(req, *args, **kwargs)
-            self.adopt(req, old)
-            return result
+            return self.adopt(req, checkpoint, *args, **kwargs)
 
         tree.checkpoint = _checkpoint
 
@@ -248,29 +243,13 @@ class PoolFollower:
         self.known_version += 1
 
     def _prefix_tags(self, pages: torch.Tensor) -> torch.Tensor:
-        """What a request matching these tree pages expects: the tag the tree adopted them with."""
-        adopted = self.tree_tags[pages]
-        return torch.where(adopted != UNSET, adopted, self.tracker.current_tags(pages))
+        """What a request matching these tree pages expects: the tag the tree adopted each with (RadixTags)."""
+        return self.radix.prefix_tags(pages)
 
-    def adopt(self, req, old_protected: int) -> None:
-        """After tree.checkpoint(): the tree now holds the request's row up to its new protected length.
-
-        NOTE: checkpoint() inserts the request's KV into the tree and repoints its row
-        [old protected, new protected) to the tree's copy where the tree already had the key (the
-        request's duplicates are freed, i.e. bumped). Where the tree adopted the request's own page, the
-        tree inherits the request's expected tag (not the page's current tag, which could launder a page
-        freed in between); where the row was repointed, the request now expects the tree's tag.
-        """
-        ps = self.page_size
-        row, new = req.kv.req_pool_idx, req.kv.cache_protected_len
-        if row is None or new <= old_protected:
-            return
-        row, first, last = int(row), old_protected // ps, -(-new // ps)
-        pages = self.req_to_token_pool.req_to_token[row, first * ps:new:ps].long() // ps
-        mine, mine_tags = self.tracker.expectation(row, first, last)
-        adopted = (pages == mine) & (mine_tags != UNSET)
-        self.tree_tags[pages] = torch.where(adopted, mine_tags, self.tree_tags[pages])  # no boolean index: no sync
-        self.tracker.record(row, first, pages, tags=torch.where(adopted, mine_tags, self._prefix_tags(pages)))
+    def adopt(self, req, checkpoint: Callable, *args, **kwargs):
+        """SGLang's ``tree.checkpoint(req, ...)``: behind the publish gate, then the tree adopts what it took
+        (:meth:`kvguard.sglang.radix.RadixTags.checkpoint`)."""
+        return self.radix.checkpoint(req, checkpoint, *args, **kwargs)
 
     def record_extend(self, batch, out_cache_loc, rows_cpu, held: list[bool]) -> None:
         """After alloc_for_extend: each request's row maps prefix pages + the pages just allocated."""
@@ -401,7 +380,7 @@ class PoolFollower:
         from the batch's device row indices: a clobbered index buffer makes the forward read another
         request's row, and checking that row against its own expectations would pass. Expectations are
         looked up by these rows, the table is read at the batch's rows (what attention reads). -1: a
-        request kvguard never recorded (not checked; its row is not ``known``).
+        request kvguard never recorded (its row is not ``known``: a violation, :meth:`stale_flags`).
         """
         # NOTE: built once per batch composition (SGLang replaces batch.reqs on filter_batch and extends it on
         # merge_batch, so the list object and its length tell), not once per step.
@@ -435,23 +414,36 @@ class PoolFollower:
     def stale_flags(self, batch) -> tuple[list[bool], bool]:
         """:meth:`stale`, and whether any request is stale.
 
-        NOTE: a row changes hands only through the row pool's alloc (wrapped: rows_version), so the answer is
-        cached on the batch for as long as its requests and the row pool stay the same (the steady state).
+        Stale: the row the batch runs the request on is not its own as far as kvguard knows. SGLang gave it to a
+        newer request (its row generation moved), or kvguard no longer follows it (``known`` is False: released
+        under the request, or never recorded for it). Either way nothing in that row may be read or written for
+        the request: it is aborted before its step is prepared (:mod:`kvguard.sglang.stale`), its write slot is
+        redirected, the verdict flags it, and it is released without touching the row
+        (:mod:`kvguard.sglang.release`).
+
+        NOTE: a row changes hands only through the row pool's alloc (wrapped: rows_version) and kvguard's
+        ``known`` only in record / drop (known_version), so the answer is cached on the batch for as long as its
+        requests, the row pool and ``known`` stay the same (the steady state).
+        NOTE (legitimate unknown rows): a request finished and released by the last result stays in the running
+        batch until SGLang's filter_batch drops it, before any step is prepared; the stale abort skips finished
+        requests, and the verdict ignores them. No path the registry checks puts a request with a row kvguard did
+        not record into a batch: every row is recorded where SGLang hands it out (alloc_for_extend, PD's
+        _pre_alloc), before any batch carries it.
         """
         reqs = batch.reqs
         cached = batch.__dict__.get("_kvguard_stale_of")
         if cached is not None and cached[0] is reqs and cached[1] == len(reqs) and cached[2] == self.rows_version \
                 and cached[3] == self.known_version:
             return cached[4]
+        owner = torch.tensor([req.__dict__.get("kvguard_row", -1) for req in reqs], dtype=torch.int64)
+        stale = ((owner < 0) | ~self.known[owner.clamp(min=0)]).tolist()  # kvguard does not follow the row
         gens = getattr(self.req_to_token_pool, "req_generation", None)
-        if gens is None:
-            stale = [False] * len(reqs)
-        else:
+        if gens is not None:
             rows = batch.req_pool_indices_cpu
             if rows is None:
                 rows = torch.tensor([req.kv.req_pool_idx for req in reqs], dtype=torch.int64)
             now = gens[rows.long()].tolist()
-            stale = [getattr(req, "kvguard_row_generation", g) != g for req, g in zip(reqs, now)]
+            stale = [lost or getattr(req, "kvguard_row_generation", g) != g for req, g, lost in zip(reqs, now, stale)]
         flags = (stale, True in stale)
         batch._kvguard_stale_of = (reqs, len(reqs), self.rows_version, self.known_version, flags)
         return flags
@@ -489,11 +481,6 @@ class PoolFollower:
         if end <= first:
             return []
         return sorted(set(self.tracker.held_pages(int(row), first, end).tolist()))
-
-    def follows(self, req) -> bool:
-        """kvguard recorded this request's row, so the tracker knows its pages (its safe release can free them)."""
-        row = req.kv.req_pool_idx
-        return row is not None and 0 <= int(row) < self.known.numel() and bool(self.known[int(row)])
 
     @contextlib.contextmanager
     def releasing(self, req):

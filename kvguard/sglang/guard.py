@@ -66,6 +66,7 @@ class SGLangGuard(PoolFollower):
     # Decode checks wait for the forward that runs them (set once every decode forward of this scheduler goes
     # through a runner kvguard hooks: kvguard.sglang.plugin); otherwise launched as the batch is prepared.
     defer: bool = False
+    swa: Any = None  # a sliding-window hybrid's SWA namespace (kvguard.sglang.swa.SWASide): checked after each launch
 
     def __init__(self, *args, **kwargs):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -113,8 +114,12 @@ class SGLangGuard(PoolFollower):
         if rows_.all_known:  # every row followed: the batch's own lengths (attention TP's decode step)
             n_entries, max_entries, total = (_device_lengths(batch, ahead),) + _lengths(batch, ahead)
         else:
+            # A row kvguard does not follow has no expectations to check its entries against: none are read (its
+            # request is flagged by its stale flag, which also redirects its writes). NOTE: the check is sized by
+            # the batch's own lengths all the same, so that attention-TP ranks, which may differ in what they
+            # follow, launch and agree on verdicts of one size.
             n_cpu = torch.where(rows_.known, batch.seq_lens_cpu + ahead, 0)
-            max_entries, total = (int(n_cpu.max()) if n_cpu.numel() else 0), int(n_cpu.sum())
+            max_entries, total = _lengths(batch, ahead)[0], int(n_cpu.sum())
             n_entries = self.to_device(n_cpu.tolist(), n_cpu.dtype)
         if max_entries == 0:
             return None
@@ -126,6 +131,9 @@ class SGLangGuard(PoolFollower):
                                    table_rows=batch.req_pool_indices,
                                    verdict=ring.verdict(slot, len(batch.reqs), max_entries),
                                    flag=ring.flag_cells[slot], stamp=stamp, guard=guard, entries_hint=total)
+        if self.swa is not None:  # the SWA window, into the same verdict (an extend's new tokens: its write segments)
+            self.swa.check(batch.req_pool_indices, n_entries, check.verdict, q=None if guard is None else guard.lens,
+                           guard=guard, flag=ring.flag_cells[slot], stamp=stamp)
         if guard is not None and any_stale:
             apply_guard(guard, self.to_device(stale, torch.bool))
         agreed = None if agreement is None else \
@@ -178,6 +186,9 @@ class SGLangGuard(PoolFollower):
         bound = self._bound(batch, self.batch_rows(batch), ring, out)
         with self.tracker.lock:
             pending.cells = bound(slot, table_rows, n_entries, out, max_entries, stamp)
+            if self.swa is not None:  # the SWA window, into the same verdict
+                self.swa.check(table_rows, n_entries, ring.buffers()[slot][:pending.cells].view(len(pending.reqs), -1),
+                               guard=WriteGuard(out, scratch=SCRATCH_SLOT), flag=ring.flag_cells[slot], stamp=stamp)
         self.tracker.count_check(total)
         if pending.group is not None:  # attention TP: every rank fires this step's check; all agree on it
             pending.agreed = ring.agree(slot, pending.cells, len(pending.reqs),
@@ -196,7 +207,10 @@ class SGLangGuard(PoolFollower):
 
     def enable_graph(self, batch_cap: int) -> GraphCheck | None:
         """The buffers a check captured into SGLang's decode graphs reads (made before the capture), once their
-        self-test passed on this device; None otherwise (decode checks are then launched eagerly)."""
+        self-test passed on this device; None otherwise (decode checks are then launched eagerly). None with an SWA
+        side: the captured check does not read the SWA window."""
+        if self.swa is not None:
+            return None
         if self.graph is None:
             graph = GraphCheck(self.req_to_token_pool.req_to_token, self.tracker.tags.tags, self.tracker.expected,
                                page_div=self.page_size, batch_cap=batch_cap, scratch_slot=SCRATCH_SLOT)
@@ -347,12 +361,18 @@ class SGLangGuard(PoolFollower):
         check = self.check_of(pending)
         verdict_host = check.verdict.cpu() if flagged else None  # rare: which requests
         rids = [str(req.rid) for req in pending.reqs]
-        # NOTE: a request already finished (aborted on an earlier verdict, or finished since: the overlap
-        # scheduler's in-flight batch still holds it) is neither counted nor aborted again: one violation
-        # per flagged request. Every rank skips the same requests (finishing is agreed across ranks).
-        finished = [bool(req.finished() or req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
+        # NOTE: a request already finished is never aborted again (every rank skips the same requests: finishing
+        # is agreed across ranks), and one kvguard aborted on an earlier verdict is not counted again: one
+        # violation per flagged request. One that finished since this check was launched (the overlap scheduler's
+        # in-flight batch still holds it) is counted, and what it published to the radix tree, a step after its
+        # last clean check, is poisoned (kvguard.sglang.radix).
+        aborted = [bool(req.__dict__.get("kvguard_aborted")) for req in pending.reqs]
         found = {err.request_id: err for err in
-                 self.tracker.resolve(check, verdict_host, rids, ignore=finished)}
+                 self.tracker.resolve(check, verdict_host, rids, ignore=aborted)}
+        finished = [a or bool(req.finished()) for a, req in zip(aborted, pending.reqs)]
+        late = [req for req, rid, a, d in zip(pending.reqs, rids, aborted, finished) if d and not a and rid in found]
+        if late:
+            self.radix.late_flags(late)
         flags = [0 if d else 1 if rid in found or stale else 0 for rid, stale, d in zip(rids, pending.stale, finished)]
         if agreed is not None:
             flags = [0 if d else int(f or a) for f, a, d in zip(flags, agreed.tolist(), finished)]
@@ -421,15 +441,17 @@ class SGLangGuard(PoolFollower):
                  f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, stale row)", bool(here))
                 for req, here, flag in zip(batch.reqs, local, agreed) if flag]
 
-    def stale_message(self, req) -> str:
-        """The abort message of a request whose row SGLang gave to another request (counted once)."""
+    def stale_message(self, req, verb: str = "aborted") -> str:
+        """The message of a request whose row is not its own (:meth:`stale_flags`: given to another request, or not
+        followed by kvguard any more), counted once as a violation of that reason."""
         from ..violations import Violation
+        from .release import row_cause
 
         row = int(req.kv.req_pool_idx) if req.kv.req_pool_idx is not None else -1
+        reason, cause = row_cause(self, req)
         self.tracker.report(Violation(request_id=str(req.rid), row=row, logical_position=0, page=-1,
-                                      expected_tag=-1, found_tag=None, reason="stale_row", bad_entries=0))
-        return (f"kvguard: request {req.rid} aborted: its req_to_token row {row} was "
-                f"reallocated to another request (stale row)")
+                                      expected_tag=-1, found_tag=None, reason=reason, bad_entries=0))
+        return f"kvguard: request {req.rid} {verb}: its req_to_token row {row} {cause}"
 
     # -- abort and release -------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODEL_FACTS = ("mla", "hybrid_swa", "hybrid_linear", "encoder_decoder")
+MODEL_FACTS = ("mla", "hybrid_swa", "swa_compress", "deepseek_v4", "hybrid_linear", "encoder_decoder")
 
 
 def arch_name(model_config: Any) -> str:
@@ -52,24 +52,36 @@ def model_facts(model_config: Any) -> dict[str, bool]:
     return {
         "mla": arch_name(model_config) == "MLA",
         "hybrid_swa": bool(getattr(model_config, "is_hybrid_swa", False)),
+        # SWA-compress (Gemma4, MiMo-V2) and DeepSeek-V4 hybrids: pools of their own (ModelConfig._derive_hybrid_model)
+        "swa_compress": bool(getattr(model_config, "is_hybrid_swa_compress", False)),
+        "deepseek_v4": bool(getattr(model_config, "is_deepseek_v4_arch", False)),
         "hybrid_linear": linear_state(model_config),
         "encoder_decoder": bool(getattr(model_config, "is_encoder_decoder", False)),
     }
 
 
-def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = None) -> str | None:
+def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = None,
+                 tree_cache: Any = None) -> str | None:
     """The structural backstop at install: the pools SGLang built carry state kvguard does not follow.
 
     Whatever the facts said: a row pool with a recurrent-state pool (``HybridReqToTokenPool.mamba_pool``),
     or a build result SGLang marked ``is_hybrid_ssm`` / ``is_hybrid_swa``, names its registry path; None
-    when the pools are plain.
+    when the pools are plain, or hold state kvguard follows (:func:`kvguard.sglang.mamba.pool_refusal`: a plain
+    ``HybridReqToTokenPool`` with no tree of state slots).
     """
     ssm = getattr(req_to_token_pool, "mamba_pool", None) is not None \
         or bool(getattr(build_result, "is_hybrid_ssm", False))
     swa = bool(getattr(build_result, "is_hybrid_swa", False)) \
         or callable(getattr(allocator, "translate_loc_from_full_to_swa", None))
     if ssm:
-        return "hybrid_linear_attention"
+        from .mamba import pool_refusal as state_refusal
+
+        refused = state_refusal(req_to_token_pool, build_result, tree_cache)
+        if refused is not None:
+            return refused
     if swa:
-        return "sliding_window"
+        from .swa import follows
+
+        if not follows(allocator):  # (kvguard.sglang.swa: SGLang's paged SWATokenToKVPoolAllocator only)
+            return "sliding_window_own_pool"
     return None

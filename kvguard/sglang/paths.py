@@ -33,6 +33,8 @@ class Facts:
     disaggregation_mode: str = "null"
     transfer_backend: str = "mooncake"
     speculative_algorithm: str | None = None
+    spec_topk: int = 1  # speculative_eagle_topk: 1 is chain drafting, more is tree drafting
+    spec_multi_layer: bool = False  # enable_multi_layer_eagle (MultiLayerEagleWorkerV2)
     hierarchical_cache: bool = False
     hisparse: bool = False
     pp_size: int = 1
@@ -46,6 +48,8 @@ class Facts:
     mixed_chunk: bool = False
     mla: bool = False
     hybrid_swa: bool = False
+    swa_compress: bool = False  # an SWA-compress hybrid (Gemma4, MiMo-V2)
+    deepseek_v4: bool = False  # DeepSeek-V4's own hybrid pool
     hybrid_linear: bool = False
     encoder_decoder: bool = False
     streaming_session: bool = False
@@ -58,6 +62,7 @@ class Facts:
     flexkv: bool = False
     radix_cache_backend: str | None = None
     external_cache_linker: bool = False
+    priority_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,16 @@ class Path:
 
 _LIVE = "tests/test_faultlab/test_sglang_live/test_sglang_engine.py"
 _PATHS_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_paths.py"
+_PD_MOONCAKE_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_pd_mooncake.py"
+_STALE_RELEASE = "tests/test_kvguard/test_sglang/test_sglang_stale_release.py"
+_SPEC = "tests/test_faultlab/test_sglang_live/test_sglang_spec.py"
+_MAMBA = "tests/test_faultlab/test_sglang_live/test_sglang_mamba.py"
+SPEC_CHECKED = ("EAGLE", "EAGLE3", "STANDALONE")  # speculative algorithms kvguard checks (kvguard/sglang/spec.py)
+
+
+def _spec_checked(f: "Facts") -> bool:
+    return f.speculative_algorithm is not None and f.speculative_algorithm.upper() in SPEC_CHECKED \
+        and f.spec_topk <= 1 and not f.spec_multi_layer
 
 PATHS: tuple[Path, ...] = (
     Path("extend_decode", CHECKED, "always",
@@ -86,14 +101,26 @@ PATHS: tuple[Path, ...] = (
     Path("radix_cache", CHECKED, "default (disable_radix_cache=False)",
          "prefix pages expect the tag the tree adopted them with (checkpoint)", _LIVE, lambda f: f.radix),
     Path("retraction", CHECKED, "the KV pool running out during decode (any server; SGLANG_TEST_RETRACT=1 forces it)",
-         "a retracted request is released through kvguard's safe release (only the pages it legitimately holds: its "
-         "row was last checked a step before), then recorded again when SGLang readmits it (alloc_for_extend)",
+         "a retracted request is released through kvguard's safe release (schedule_batch.release_req: only the pages "
+         "it legitimately holds, its row last checked a step before; a row not its own is never freed), then "
+         "recorded again when SGLang readmits it (alloc_for_extend)",
          "tests/test_faultlab/test_sglang_live/test_sglang_retract.py", lambda f: True),
+    Path("pause_generation_retract", CHECKED, "a /pause_generation call with mode=retract (any server, per call at "
+         "runtime: it cannot be refused at start)",
+         "every running request is retracted (Scheduler.pause_generation -> retract_all -> release_req) through "
+         "kvguard's safe release, as a retraction, and recorded again when readmitted",
+         f"{_STALE_RELEASE} (test_pause_generation_retract_frees_only_legitimate_pages)", lambda f: True),
+    Path("priority_scheduling", CHECKED, "enable_priority_scheduling=True",
+         "the waiting queue is ordered by priority (no KV path of its own); a running request preempted for a "
+         "higher-priority one (PrefillAdder.preempt_to_schedule, unless disable_priority_preemption) is released "
+         "through kvguard's safe release (release_req), re-queued and recorded again when readmitted",
+         f"{_STALE_RELEASE} (test_priority_preemption_frees_only_legitimate_pages)", lambda f: f.priority_scheduling),
     Path("chunked_prefill", CHECKED, "chunked_prefill_size > 0",
          "a continuing chunk keeps its recorded prefix entries", _PATHS_TEST, lambda f: f.chunked),
     Path("mixed_chunk", CHECKED, "enable_mixed_chunk=True",
-         "the running part's check travels with the mixed batch (mix_with_running)", _PATHS_TEST,
-         lambda f: f.mixed_chunk),
+         "the running part's check travels with the mixed batch (mix_with_running); a running request whose row is "
+         "not its own is aborted before the running part is prepared (Scheduler._reqs_finishing_inflight)",
+         f"{_PATHS_TEST} (a stale row in a mixed step: {_STALE_RELEASE})", lambda f: f.mixed_chunk),
     Path("tensor_parallel", CHECKED, "tp_size > 1",
          "each rank checks its own pools; verdicts agree by one device all-reduce (MAX) per check over kvguard's own NCCL communicator (`kvguard/sglang/agree.py`), stale rows by a CPU one when rows or the batch change",
          "tests/test_kvguard/test_sglang/test_sglang_tp_stale.py", lambda f: f.tp_size > 1),
@@ -104,28 +131,103 @@ PATHS: tuple[Path, ...] = (
          "rows recorded at DecodePreallocQueue._pre_alloc; transfer tags: a late write from an earlier "
          "transfer stamps its stale tag on the page, and the page's next check fails", _PATHS_TEST,
          lambda f: f.disaggregation_mode == "decode" and f.transfer_backend == "fake"),
-    Path("pd_decode_transfer_backend", REFUSED, "disaggregation_mode=decode with a real transfer backend",
-         "the backend does not stamp kvguard's transfer tags after the KV lands, so a late write from an "
-         "earlier transfer into a reallocated page would go unseen", "",
-         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend != "fake"),
-    Path("pd_prefill", REFUSED, "disaggregation_mode=prefill",
-         "the prefill side's send path (early send, HiCache load-back racing the RDMA) is not followed", "",
-         lambda f: f.disaggregation_mode == "prefill"),
-    Path("speculative_decoding", REFUSED, "speculative_algorithm set (EAGLE, EAGLE3, NGRAM, STANDALONE, ...)",
-         "verify and draft forwards read the region alloc_for_spec_decode reserves past the committed "
-         "length, which kvguard does not record", "", lambda f: f.speculative_algorithm is not None),
+    Path("pd_decode_mooncake", CHECKED, "disaggregation_mode=decode, transfer backend mooncake",
+         "rows recorded at DecodePreallocQueue._pre_alloc; the transfer's ticket stamped at commit (Mooncake "
+         "reports Success only after every write of the room returned), so a page that changed hands while its "
+         "transfer ran fails its next check; an aborted transfer's destination is held until every prefill rank "
+         "acked its drain, never released on SGLang's timeout (kvguard.sglang.pd)", _PD_MOONCAKE_TEST,
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend == "mooncake"),
+    Path("pd_decode_transfer_backend", REFUSED, "disaggregation_mode=decode with a transfer backend other than "
+         "fake or mooncake (nixl, mori, ascend)",
+         "kvguard's hold of an aborted transfer's destination and its commit stamp are shown on Mooncake only: "
+         "no test runs the other backends here, so a late write from an earlier transfer into a reallocated "
+         "page is not shown caught there", "",
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend not in ("fake", "mooncake")),
+    Path("pd_prefill_mooncake", CHECKED, "disaggregation_mode=prefill, transfer backend mooncake",
+         "extend batches recorded and checked like any other; the verdict is read before the batch's last chunk "
+         "is queued for sending (process_batch_result_disagg_prefill), a flagged request aborted through SGLang's "
+         "discard path, its sender failed: the decode server commits a transfer only on the prefill's Success, "
+         "which the Mooncake worker sends after the room's last write and only for a room not failed, so KV sent "
+         "early (cached prefix) or read from pages freed mid-send (released once the room failed) is never "
+         "committed (kvguard.sglang.pd)", _PD_MOONCAKE_TEST,
+         lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend == "mooncake"),
+    Path("pd_prefill", REFUSED, "disaggregation_mode=prefill with a transfer backend other than mooncake",
+         "the verdict-before-send order and the Success-only-for-a-live-room order are shown on Mooncake only: no "
+         "test runs the other backends here", "",
+         lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend != "mooncake"),
+    Path("speculative_decoding", CHECKED, "speculative_algorithm EAGLE, EAGLE3 or STANDALONE with "
+         "speculative_eagle_topk 1 (chain drafting; SGLang's spec v2 worker, overlap on or off)",
+         "the region alloc_for_spec_decode reserves past the committed length is recorded from the allocator's output "
+         "with its tags; one batched check of every entry [0, nxt) of each row before the step's first forward "
+         "covers the draft, verify and draft-extend reads of both pools (the draft pool shares slot ids), and "
+         "redirects a flagged request's row to the padding slot; the verdict is read before the step's tokens are "
+         "committed (kvguard/sglang/spec.py)", _SPEC, _spec_checked),
+    Path("speculative_tree_drafting", REFUSED, "speculative_algorithm set with speculative_eagle_topk > 1",
+         "tree drafting: with page_size > 1 each branch gets its own page-aligned region and the prefix tail is "
+         "copied into it, and the accepted path's KV is moved after verify; kvguard records the chain layout only",
+         "", lambda f: f.speculative_algorithm is not None and f.spec_topk > 1),
+    Path("speculative_other_algorithms", REFUSED, "speculative_algorithm NGRAM, NEXTN, DFLASH, UNO, DSPARK, "
+         "FROZEN_KV_MTP or a plugin's", "their workers prepare and verify steps outside the EAGLE v2 worker kvguard "
+         "hooks (NGRAM does not run on a plain CPU: see docs/sglang.md). NEXTN (MTP) needs a DeepSeek-style target "
+         "with an MTP layer, not run here: refused as named; where SGLang has already resolved it to its alias EAGLE, "
+         "it runs the EAGLE v2 worker and is checked as EAGLE", "",
+         lambda f: f.speculative_algorithm is not None and f.speculative_algorithm.upper() not in SPEC_CHECKED),
+    Path("speculative_multi_layer_eagle", REFUSED, "enable_multi_layer_eagle=True",
+         "MultiLayerEagleWorkerV2 runs its own draft steps outside the worker kvguard hooks", "",
+         lambda f: f.speculative_algorithm is not None and f.spec_multi_layer),
     Path("hierarchical_cache", REFUSED, "enable_hierarchical_cache=True",
          "pages loaded back from host are allocated without the tree's checkpoint, so their expectation "
          "is not recorded (a healthy request could be aborted)", "", lambda f: f.hierarchical_cache),
     Path("hisparse", REFUSED, "enable_hisparse=True", "host-resident logical indices are not followed", "",
          lambda f: f.hisparse),
-    Path("sliding_window", REFUSED, "a hybrid sliding-window model (SWATokenToKVPoolAllocator)",
-         "SWA layers read through full_to_swa_index_mapping, a second namespace kvguard does not record", "",
-         lambda f: f.hybrid_swa),
-    Path("hybrid_linear_attention", REFUSED, "a hybrid linear-attention / mamba model",
-         "mamba state slots are not followed", "", lambda f: f.hybrid_linear),
+    Path("sliding_window", CHECKED, "a hybrid sliding-window model on SGLang's paged SWA pools "
+         "(SWATokenToKVPoolAllocator: GPT-OSS, Gemma-2/3 style)",
+         "SWA page tags bumped at every SWA alloc and release (the window sliding, tree eviction, retraction); each "
+         "full slot's SWA peer recorded where the allocator pairs them; every position a sliding-window layer reads "
+         "is checked through req_to_token and full_to_swa_index_mapping to that peer, with its tag, in one extra "
+         "launch per forward into the same verdict (kvguard.sglang.swa)",
+         "tests/test_faultlab/test_sglang_live/test_sglang_swa.py",
+         lambda f: f.hybrid_swa and not (f.swa_compress or f.deepseek_v4)),
+    Path("sliding_window_own_pool", REFUSED, "an SWA-compress hybrid (Gemma4, MiMo-V2) or DeepSeek-V4, or an SWA pool "
+         "other than the paged SWATokenToKVPoolAllocator (per-request SWA ring, unified memory, HiSparse)",
+         "these keep their SWA (and compressed) state in pools and maps of their own, which kvguard does not follow",
+         "", lambda f: f.hybrid_swa and (f.swa_compress or f.deepseek_v4)),
+    Path("sliding_window_spec_pd", REFUSED, "a hybrid sliding-window model with speculative_algorithm set or "
+         "disaggregation_mode set",
+         "speculative steps are checked by their own launch (kvguard/sglang/spec.py), which does not read the "
+         "sliding-window layers' full_to_swa_index_mapping, and a PD transfer's ticket stamps full pages only, not "
+         "the SWA pages it writes", "",
+         lambda f: f.hybrid_swa and (f.speculative_algorithm is not None or f.disaggregation_mode != "null")),
+    Path("hybrid_linear_attention", CHECKED, "a hybrid linear-attention / mamba model (NemotronH, Qwen3-Next, "
+         "Qwen3.5, ...: HybridReqToTokenPool), disable_radix_cache=True",
+         "each request's recurrent-state slot carries a generation bumped when the slot allocator hands it out; the "
+         "(slot, generation) a request was given is recorded where its row is (HybridReqToTokenPool.alloc) and, beside "
+         "every KV check, one launch checks that the state index the forward reads is its own slot at its own "
+         "generation (a bad one is pointed at the dummy slot before the forward); an aborted request never frees a "
+         "slot handed on since (kvguard/sglang/mamba.py). Full-attention pages as for any model",
+         f"{_MAMBA} (a NemotronH engine); tests/test_kvguard/test_sglang/test_sglang_mamba_state.py (SGLang's "
+         "pools with mamba2 and GDN state)", lambda f: f.hybrid_linear),
+    Path("hybrid_linear_radix_cache", REFUSED, "a hybrid linear-attention / mamba model with the radix cache on "
+         "(SGLang's default; any mamba_radix_cache_strategy)",
+         "the tree keeps state slots of finished requests (UnifiedRadixCache's mamba component; extra_buffer's "
+         "tracking slots) and copies them into a matching request's slot at match_prefix: kvguard checks each "
+         "request's own slot, not the tree's", "", lambda f: f.hybrid_linear and f.radix),
+    Path("hybrid_linear_state_pool", REFUSED, "a hybrid model whose row pool is not SGLang's plain "
+         "HybridReqToTokenPool (PD decode's, the unified memory pool's virtual slot ids)",
+         "state slots handed out or translated outside HybridReqToTokenPool.alloc are not recorded", "",
+         lambda f: f.hybrid_linear and f.disaggregation_mode != "null"),
+    Path("hybrid_linear_speculative", REFUSED, "a hybrid linear-attention model with speculative_algorithm set",
+         "the verify forward's intermediate state slots (MambaPool.SpeculativeState) and their copy-back are not "
+         "followed", "", lambda f: f.hybrid_linear and f.speculative_algorithm is not None),
+    Path("hybrid_linear_tensor_parallel", REFUSED, "a hybrid linear-attention model with tp_size > 1",
+         "the state check's verdict is not agreed across the ranks (a rank could drop a request its peers run)", "",
+         lambda f: f.hybrid_linear and f.tp_size > 1),
     Path("dp_attention", REFUSED, "attn_dp_size > 1 (or the deprecated dp_size > 1 with enable_dp_attention=True)",
-         "per-DP-rank batches and their agreement are not followed", "", lambda f: f.dp_attention),
+         "per-DP-rank batches and their agreement are not followed: each attention-DP rank schedules its own "
+         "requests on its own pools and runs idle (dummy) batches when it has none, and its verdicts would have to "
+         "agree over its attention-TP group only; no run of SGLang's DP attention exists here (on the CPU it needs "
+         "tp_size >= 2 scheduler processes over gloo, not tried), so none of this is shown", "",
+         lambda f: f.dp_attention),
     Path("pipeline_parallel", REFUSED, "pp_size > 1", "micro-batches across stages are not followed", "",
          lambda f: f.pp_size > 1),
     Path("encoder_decoder", REFUSED, "an encoder-decoder model",
@@ -219,6 +321,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         disaggregation_mode=str(_get(server_args, "disaggregation_mode", "null")),
         transfer_backend=str(_get(server_args, "disaggregation_transfer_backend", "mooncake")),
         speculative_algorithm=spec,
+        spec_topk=int(_get(server_args, "speculative_eagle_topk", 1)),
+        spec_multi_layer=bool(_get(server_args, "enable_multi_layer_eagle", False)),
         hierarchical_cache=bool(_get(server_args, "enable_hierarchical_cache", False)),
         hisparse=bool(_get(server_args, "enable_hisparse", False)),
         pp_size=int(_get(server_args, "pp_size", 1)),
@@ -246,6 +350,7 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         radix_cache_backend=None if _get(server_args, "radix_cache_backend") in (None, "")
         else str(_get(server_args, "radix_cache_backend")),
         external_cache_linker=bool(_get(server_args, "enable_unified_cache_external_linker", False)),
+        priority_scheduling=bool(_get(server_args, "enable_priority_scheduling", False)),
     )
 
 

@@ -21,8 +21,11 @@ target                                                             type    what 
                                                                            decode check, guard its write slots
 ``mem_cache.common.release_kv_cache``                              AROUND  an aborted or retracted request
                                                                            frees only the pages it
-                                                                           legitimately holds
-``managers.schedule_batch.ScheduleBatch.retract_decode``           AROUND  mark the retraction's releases
+                                                                           legitimately holds, never a row
+                                                                           not its own (kvguard.sglang.release)
+``managers.schedule_batch.release_req``                            AROUND  mark SGLang's releases between
+                                                                           steps (retraction, pause(retract),
+                                                                           priority preemption) as safe ones
 ``managers.schedule_batch.ScheduleBatch.prepare_for_extend``       AFTER   check the extend batch, guard
                                                                            its write slots
 ``managers.schedule_batch.ScheduleBatch.copy``                     AFTER   carry the check (overlap)
@@ -30,8 +33,10 @@ target                                                             type    what 
                                                                            carry it into the mixed batch
 ``SchedulerBatchResultProcessor.process_batch_result_prefill``     AROUND  read verdict, discard flagged
 ``SchedulerBatchResultProcessor.process_batch_result_decode``      AROUND  read verdict, abort flagged
-``managers.scheduler.Scheduler.update_running_batch``              AROUND  abort stale-row requests before
-                                                                           the decode step is prepared
+``managers.scheduler.Scheduler._reqs_finishing_inflight``          AROUND  abort requests whose row is not
+                                                                           their own before a decode step is
+                                                                           prepared, mixed chunk included
+                                                                           (kvguard.sglang.stale)
 ``managers.scheduler.Scheduler.init_all_cuda_graphs``              AROUND  install before the graphs are
                                                                            captured: the decode check is
                                                                            captured into every decode graph
@@ -41,6 +46,13 @@ target                                                             type    what 
                                                                            the armed decode check first
 ``beam_search.coordinator.BeamCoordinator.validate_and_init``      AROUND  turn a beam-search request away
                                                                            (a path refused per request)
+``mem_cache.allocation.alloc_for_spec_decode``, ``speculative.``   AROUND  speculative decoding: record the
+``eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation``                 reserved region, check each spec step
+                                                                           (kvguard.sglang.spec)
+``mem_cache.allocator.mamba.MambaSlotAllocator._do_alloc``         AFTER   hybrid linear-attention models:
+``mem_cache.memory_pool.HybridReqToTokenPool.alloc``,              AROUND  state slot generations, each
+``...HybridReqToTokenPool.free_mamba_cache``                                request's (slot, generation), safe
+                                                                           release (kvguard.sglang.mamba)
 =================================================================  ======  ==================================
 
 **Fail closed.** SGLang's loader catches every ``Exception`` a plugin raises and serves on without it. An
@@ -66,6 +78,9 @@ from ..settings import SettingsError, TrackerConfig
 from .guard import PADDING_ROW, SGLangGuard
 from .model_facts import pool_refusal
 from .paths import KVGuardRefused
+from . import runtime
+from .runtime import (_PENDING, KVGuardStartupError, _flagged, _guard_of_batch, _still_in, guard_of,  # noqa: F401
+                      stamp_transfer, transfer_ticket, unchecked)
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -80,33 +95,37 @@ TARGETS = {
     "alloc_for_extend": f"{_SRT}.mem_cache.allocation.alloc_for_extend",
     "alloc_for_decode": f"{_SRT}.mem_cache.allocation.alloc_for_decode",
     "release_kv_cache": f"{_SRT}.mem_cache.common.release_kv_cache",
-    "retract_decode": f"{_BATCH}.retract_decode",
+    "release_req": f"{_SRT}.managers.schedule_batch.release_req",
     "prepare_for_extend": f"{_BATCH}.prepare_for_extend",
     "batch_copy": f"{_BATCH}.copy",
     "mix_with_running": f"{_BATCH}.mix_with_running",
     "process_batch_result_prefill": f"{_PROCESSOR}.process_batch_result_prefill",
     "process_batch_result_decode": f"{_PROCESSOR}.process_batch_result_decode",
-    "update_running_batch": f"{_SCHEDULER}.update_running_batch",
+    "reqs_finishing_inflight": f"{_SCHEDULER}._reqs_finishing_inflight",
     "init_all_cuda_graphs": f"{_SCHEDULER}.init_all_cuda_graphs",
     "graph_execute": f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     "eager_execute": f"{_SRT}.model_executor.runner.eager_runner.EagerRunner.execute",
     "beam_validate": f"{_SRT}.beam_search.coordinator.BeamCoordinator.validate_and_init",
 }
+# Speculative decoding's hooks live with what they record and check (kvguard.sglang.spec): composed in here.
+from .spec import HOOKS as _SPEC_HOOKS  # noqa: E402
+
+TARGETS.update({name: target for name, (target, _, _) in _SPEC_HOOKS.items()})
+# Hybrid linear-attention state (kvguard.sglang.mamba): composed in the same way.
+from .mamba import HOOKS as _MAMBA_HOOKS  # noqa: E402
+
+TARGETS.update({name: target for name, (target, _, _) in _MAMBA_HOOKS.items()})
+# Sliding-window hybrids (kvguard.sglang.swa): composed in the same way.
+from .swa import HOOKS as _SWA_HOOKS  # noqa: E402
+
+TARGETS.update({name: target for name, (target, _, _) in _SWA_HOOKS.items()})
+# PD disaggregation on a real transfer backend (kvguard.sglang.pd): composed in the same way.
+from .pd import HOOKS as _PD_HOOKS  # noqa: E402
+
+TARGETS.update({name: target for name, (target, _, _) in _PD_HOOKS.items()})
 
 _registered_config: TrackerConfig | None = None
 _guards: list[SGLangGuard] = []
-
-
-class KVGuardStartupError(SystemExit):
-    """kvguard was asked for and cannot run as asked: the process must not serve without it.
-
-    A ``SystemExit`` on purpose: SGLang's plugin loader swallows ``Exception`` from plugins (the server
-    would start unguarded); a ``SystemExit`` passes through and stops the process with this message.
-    """
-
-    def __init__(self, message: str):
-        log.critical(message)
-        super().__init__(message)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,6 +169,9 @@ def register(env: Mapping[str, str] | None = None) -> bool:
 
 def hooks() -> dict[str, tuple]:
     """kvguard's hook on each target of :data:`TARGETS`: (function, HookRegistry type name)."""
+    from .release import around_release_req
+    from .stale import around_reqs_finishing_inflight
+
     return {
         "check_server_args": (_after_check_server_args, "AFTER"),
         "pd_pre_alloc": (_around_pd_pre_alloc, "AROUND"),
@@ -157,18 +179,21 @@ def hooks() -> dict[str, tuple]:
         "alloc_for_extend": (_around_alloc_for_extend, "AROUND"),
         "alloc_for_decode": (_around_alloc_for_decode, "AROUND"),
         "release_kv_cache": (_around_release_kv_cache, "AROUND"),
-        "retract_decode": (_around_retract_decode, "AROUND"),
+        "release_req": (around_release_req, "AROUND"),
         "prepare_for_extend": (_after_prepare_for_extend, "AFTER"),
         "batch_copy": (_after_batch_copy, "AFTER"),
         "mix_with_running": (_around_mix_with_running, "AROUND"),
         "process_batch_result_prefill": (_around_process_batch_result_prefill, "AROUND"),
         "process_batch_result_decode": (_around_process_batch_result_decode, "AROUND"),
-        "update_running_batch": (_around_update_running_batch, "AROUND"),
+        "reqs_finishing_inflight": (around_reqs_finishing_inflight, "AROUND"),
         "init_all_cuda_graphs": (_around_init_all_cuda_graphs, "AROUND"),
         "graph_execute": (_around_graph_execute, "AROUND"),
         "eager_execute": (_around_eager_execute, "AROUND"),
         "beam_validate": (_around_beam_validate, "AROUND"),
-    }
+    } | {name: (fn, kind) for name, (_, fn, kind) in _SPEC_HOOKS.items()} \
+        | {name: (fn, kind) for name, (_, fn, kind) in _MAMBA_HOOKS.items()} \
+        | {name: (fn, kind) for name, (_, fn, kind) in _SWA_HOOKS.items()} \
+        | {name: (fn, kind) for name, (_, fn, kind) in _PD_HOOKS.items()}
 
 
 def _chain(fn):
@@ -306,10 +331,11 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
         raise KVGuardStartupError(
             f"kvguard: refusing to start: KVGUARD_MODE=check but the KV allocator "
             f"{type(allocator).__module__}.{type(allocator).__name__} is not covered (kvguard covers "
-            f"PagedTokenToKVPoolAllocator and TokenToKVPoolAllocator); run with KVGUARD_MODE=off")
+            f"PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator and the paged SWATokenToKVPoolAllocator); run "
+            f"with KVGUARD_MODE=off")
     if getattr(req_to_token_pool, "req_to_token", None) is None:
         raise TypeError(f"kvguard.install: {type(req_to_token_pool).__name__} has no req_to_token table")
-    refused = pool_refusal(req_to_token_pool, allocator, build_result)
+    refused = pool_refusal(req_to_token_pool, allocator, build_result, tree_cache)
     if refused is not None:  # the backstop: whatever the facts said, these pools hold state kvguard does not follow
         from .paths import BY_NAME
 
@@ -326,9 +352,17 @@ def install(req_to_token_pool, allocator, tree_cache=None, *, config: TrackerCon
         if existing.tree_cache is None and tree_cache is not None:
             existing.attach_tree(tree_cache)  # installed before the graph capture, ahead of the tree
         return existing
-    guard = SGLangGuard(req_to_token_pool, allocator, tree_cache,
+    from . import swa
+
+    # a sliding-window hybrid: the guard follows the full sub-allocator, kvguard.sglang.swa the SWA side
+    guard = SGLangGuard(req_to_token_pool, swa.full_side(allocator), tree_cache,
                         config or TrackerConfig.from_env(mode="check"), registry=registry)
+    swa.attach(guard, allocator)
     allocator._kvguard = guard
+    if getattr(req_to_token_pool, "mamba_pool", None) is not None:  # let through by pool_refusal: followed
+        from .mamba import follow
+
+        follow(guard)
     _guards.append(guard)
     log.info("kvguard: installed on %s (page_size=%d, %d pages, %d rows)", type(allocator).__name__,
              guard.page_size, guard.num_pages, guard.num_rows)
@@ -345,39 +379,10 @@ def covered(allocator) -> bool:
         from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     except ImportError:  # not in this SGLang
         PageInterleavePoolAllocator = ()
+    from .swa import follows
+
     return isinstance(allocator, (PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator)) \
-        and not isinstance(allocator, PageInterleavePoolAllocator)
-
-
-def guard_of(obj) -> SGLangGuard | None:
-    """The guard covering ``obj``: an allocator, a tree cache, a ScheduleBatch or a Scheduler (or None).
-
-    This is the public way to reach a running scheduler's guard (its tracker, metrics and tags).
-    """
-    for name in (None, "token_to_kv_pool_allocator", "tree_cache"):
-        target = obj if name is None else getattr(obj, name, None)
-        for holder in (target, getattr(target, "token_to_kv_pool_allocator", None)):
-            guard = getattr(holder, "__dict__", {}).get("_kvguard")
-            if isinstance(guard, SGLangGuard):
-                return guard
-    return None
-
-
-def transfer_ticket(req):
-    """PD decode: the transfer ticket of ``req`` (its destination pages and their tags), or None.
-
-    What the transfer's writer is handed with the destination pages; after its KV lands, the writer
-    calls :func:`stamp_transfer` with it. A late write from a transfer whose pages were handed out since
-    then stamps tags their new owners do not expect, and their next check aborts them.
-    """
-    return req.__dict__.get("kvguard_transfer")
-
-
-def stamp_transfer(allocator, ticket) -> None:
-    """The writer's stamp after a transfer's KV landed in the pool set of ``allocator``."""
-    guard = guard_of(allocator)
-    if guard is not None and ticket is not None:
-        guard.stamp(ticket)
+        and not isinstance(allocator, PageInterleavePoolAllocator) or follows(allocator)
 
 
 def guards() -> list[SGLangGuard]:
@@ -385,58 +390,9 @@ def guards() -> list[SGLangGuard]:
     return list(_guards)
 
 
-_GROUP: list = []  # this process's attention-TP (CPU group, VerdictAgreement) once looked up; (None, None): one rank
-_ONE_RANK = False  # looked up, and one rank (_GROUP == [(None, None)])
-# (the per-step hooks read ``_GROUP[0] if _GROUP else _attn_tp()``: no call once it is looked up)
-
-
-def _attn_tp(min_ranks: int = 2) -> tuple:
-    """The attention-TP ranks this process agrees with: (SGLang's CPU group of them, kvguard's
-    :class:`~kvguard.sglang.agree.VerdictAgreement` over them), or (None, None) with fewer than ``min_ranks``.
-
-    Looked up once (SGLang initialises torch.distributed at TP 1 too; one rank agrees with itself). ``min_ranks``:
-    1 serves the TP path over one rank (a benchmark's stand-in for measuring its host cost on one GPU)."""
-    if _GROUP:
-        return _GROUP[0]
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None, None  # not yet: looked up again later
-    try:
-        from sglang.srt.distributed.parallel_state import get_attn_tp_group
-
-        cpu_group = get_attn_tp_group().cpu_group
-    except Exception as err:
-        # NOTE: "one rank" is cached for the process's life, so it is concluded only where it is true: a process
-        # alone in its torch.distributed world. Otherwise ranks that could not be looked up might drop different
-        # requests and hang: stop instead.
-        if torch.distributed.get_world_size() > 1:
-            raise KVGuardStartupError(f"kvguard: refusing to serve: SGLang's attention-TP group could not be looked "
-                                      f"up ({type(err).__name__}: {err}) in a world of "
-                                      f"{torch.distributed.get_world_size()} ranks, so the ranks' verdicts could "
-                                      f"not agree") from err
-        cpu_group = None
-    groups = (None, None)
-    if cpu_group is not None and torch.distributed.get_world_size(cpu_group) >= min_ranks:
-        from .agree import VerdictAgreement
-
-        cuda = torch.cuda.is_available()
-        groups = (cpu_group, VerdictAgreement(cpu_group, torch.device("cuda", torch.cuda.current_device()) if cuda
-                                              else torch.device("cpu")))
-    global _ONE_RANK
-    _GROUP.append(groups)
-    _ONE_RANK = groups[0] is None
-    return groups
-
-
 # ------------------------------------------------------------------------------------------------
 # Hook bodies (module level so HookRegistry can name them in its logs)
 # ------------------------------------------------------------------------------------------------
-def _guard_of_batch(batch) -> SGLangGuard | None:
-    allocator = getattr(batch, "token_to_kv_pool_allocator", None)
-    if allocator is None and getattr(batch, "tree_cache", None) is not None:
-        allocator = batch.tree_cache.token_to_kv_pool_allocator
-    return getattr(allocator, "_kvguard", None)
-
-
 def _around_alloc_for_extend(original, batch, *args, **kwargs):
     guard = _guard_of_batch(batch)
     if guard is None:
@@ -470,7 +426,8 @@ def _around_alloc_for_decode(original, batch, token_per_req=1, *args, **kwargs):
     # A decode batch that never passed here (a path that prepares decode its own way) is refused at its result.
     if batch.reqs:
         guard.arm_decode(batch, out_cache_loc, flags,
-                         None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[1])
+                         None if runtime._ONE_RANK else
+                         (runtime._GROUP[0] if runtime._GROUP else runtime._attn_tp())[1])
     return out_cache_loc
 
 
@@ -500,8 +457,9 @@ def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
         if not any_stale:
             out_cache_loc = original(batch, token_per_req, *args, **kwargs)
         else:
-            # NOTE: reached only by a batch prepared outside update_running_batch (mixed chunked prefill), which
-            # aborts stale requests before the step otherwise (_around_update_running_batch).
+            # NOTE: a backstop: both paths that prepare a decode step abort stale requests before it
+            # (kvguard.sglang.stale); one stale here came some other way (attention TP: a row released on this rank
+            # only, after the ranks agreed on this batch composition).
             # SGLang writes each request's new slot into req_to_token[row, seq_len]. A stale request's
             # row belongs to a newer request now, whose forward (possibly still in flight, overlap scheduler)
             # reads that row: the stale request's slot must never land there. For this one call its row index
@@ -528,7 +486,7 @@ def _decoder_only(guard, batch, token_per_req: int) -> None:
     model config once seen so (a scheduler's batches share it) is not looked into again."""
     enc_dec = batch.model_config.is_encoder_decoder
     if token_per_req != 1 or enc_dec:
-        raise unchecked("encoder_decoder" if enc_dec else "speculative_decoding")
+        raise unchecked("encoder_decoder" if enc_dec else "speculative_other_algorithms")
     guard.model_config = batch.model_config
 
 
@@ -536,49 +494,16 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     # NOTE: SGLang frees [cache_protected_len, owned) as named by the request's req_to_token row. For a
     # request kvguard aborted, that row is what is broken: its bad entries name other requests' pages,
     # tree pages or pages already freed. Only the pages it still legitimately holds go back. The same for a
-    # request SGLang retracts (_around_retract_decode): its row was last checked a step ago.
+    # request SGLang releases between steps (schedule_batch.release_req: retraction, pause, priority preemption):
+    # its row was last checked a step ago. A row that is not its own is never freed (kvguard.sglang.release).
     guard = guard_of(tree_cache)
     if guard is not None:
         guard.tracker.flush_metrics()  # the counters are exact whenever no request runs (TagTracker.count_check)
-    if guard is None or not (getattr(req, "kvguard_aborted", False) or guard.retracting and guard.follows(req)):
+    if guard is None or not (guard.retracting or getattr(req, "kvguard_aborted", False)):
         return original(req, tree_cache, *args, **kwargs)
-    if getattr(req, "kvguard_stale", False):
-        return guard.release_stale(req, tree_cache)  # SGLang's release would free another request's row
-    with guard.releasing(req):
-        return original(req, tree_cache, *args, **kwargs)
+    from .release import safe_release
 
-
-def _around_retract_decode(original, batch, *args, **kwargs):
-    # NOTE: SGLang retracts decode requests when the KV pool runs out (and every few steps under
-    # SGLANG_TEST_RETRACT): it releases them through their req_to_token rows in update_running_batch, before this
-    # step's check reads those rows. A row broken since its last check would free pages other requests still
-    # map and keep its own (measured on the CPU, swapped entries: one page leaked, and SGLang's strict idle check
-    # stopped the server). While it retracts, each release frees exactly the pages the request legitimately
-    # holds, which for an intact row are the pages its row names (one device read per retracted request, only
-    # when SGLang retracts). The request is recomputed from its tokens when readmitted (alloc_for_extend records
-    # it again); what its broken row named is caught at the owners' next check.
-    guard = _guard_of_batch(batch)
-    if guard is None:
-        return original(batch, *args, **kwargs)
-    guard.retracting = True
-    try:
-        return original(batch, *args, **kwargs)
-    finally:
-        guard.retracting = False
-
-
-def unchecked(path: str) -> RuntimeError:
-    """A batch of a path the registry refuses reached a hook: stop (fail closed), never serve it unchecked.
-
-    Unreachable when the server was started through SGLang's ``check_server_args`` (refused there); this
-    is the last line of defence for a configuration that slipped past it.
-    """
-    from .paths import BY_NAME
-
-    p = BY_NAME[path]
-    message = f"kvguard: a {path} batch ({p.turned_on_by}) reached the scheduler, and kvguard does not check it: {p.why}"
-    log.critical(message)
-    return RuntimeError(message)
+    return safe_release(guard, original, req, tree_cache, *args, **kwargs)
 
 
 def _around_beam_validate(original, coordinator, req, *args, **kwargs):
@@ -615,15 +540,16 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
     if guard is None or not batch.reqs:  # (ScheduleBatch.is_empty)
         return None
     batch._kvguard = None
-    if not batch.spec_algorithm.is_none():
-        raise unchecked("speculative_decoding")
+    if not batch.spec_algorithm.is_none():  # chain drafting is checked (kvguard.sglang.spec); the rest stops here
+        from .spec import refusal_now
+
+        if refusal_now() is not None:
+            raise unchecked(refusal_now())
     if batch.is_dllm():
         raise unchecked("dllm")
-    guard.launch(batch, agreement=_attn_tp()[1])
+    guard.launch(batch, agreement=runtime._attn_tp()[1])
+    guard.radix.unread(batch)  # its chunked request is stashed into the tree only after this verdict (radix.py)
     return None
-
-
-_PENDING = ("_kvguard", "_kvguard_mixed")  # the batch's own check; a mixed batch's decode-part check
 
 
 def _after_batch_copy(copy, batch, *args, **kwargs):
@@ -648,28 +574,6 @@ def _around_mix_with_running(original, batch, running_batch, *args, **kwargs):
     if pending is not None:
         batch._kvguard_mixed = pending
     return result
-
-
-def _flagged(batch, result):
-    """Resolve the checks launched for this batch (if any): flagged (req, message, stale) still in it.
-
-    Read after SGLang's own wait for this batch's forward (``result.copy_done``, or its sampled ids copied to
-    the host: SGLangGuard.wait_forward), which the checks preceded on the stream."""
-    guard, flagged, held = None, [], batch.__dict__
-    for pending in (held.pop(_PENDING[0], None), held.pop(_PENDING[1], None)):
-        if pending is None:
-            continue
-        guard = pending.guard
-        flagged += guard.resolve(pending, _attn_tp()[0], getattr(result, "copy_done", None), result)
-    return guard, _still_in(batch, flagged)
-
-
-def _still_in(batch, flagged: list) -> list:
-    """The flagged (req, message, stale) whose request is still in the batch."""
-    if not flagged:
-        return flagged
-    in_batch = {id(req) for req in batch.reqs}
-    return [item for item in flagged if id(item[0]) in in_batch]
 
 
 def _around_process_batch_result_prefill(original, processor, batch, result, *args, **kwargs):
@@ -698,12 +602,13 @@ def _around_process_batch_result_decode(original, processor, batch, result, *arg
             raise _unarmed(batch)
         return original(processor, batch, result, *args, **kwargs)
     clean = pending.clean
-    if clean is not None and clean[0][clean[1]] == clean[2] and _ONE_RANK:
+    if clean is not None and clean[0][clean[1]] == clean[2] and runtime._ONE_RANK:
         # The steady state (SGLangGuard.resolve's first test, inline): a captured check's result word says it ran
         # clean, read before any wait; the step goes on to SGLang's own wait for its sampled ids.
         return original(processor, batch, result, *args, **kwargs)
     guard = pending.guard
-    flagged = guard.resolve(pending, (_GROUP[0] if _GROUP else _attn_tp())[0], getattr(result, "copy_done", None),
+    group = (runtime._GROUP[0] if runtime._GROUP else runtime._attn_tp())[0]
+    flagged = guard.resolve(pending, group, getattr(result, "copy_done", None),
                             result)
     if not flagged:
         return original(processor, batch, result, *args, **kwargs)
@@ -748,31 +653,6 @@ def _unarmed(batch) -> RuntimeError:
                f"speculative decoding); kvguard does not serve a step it did not check")
     log.critical(message)
     return RuntimeError(message)
-
-
-def _around_update_running_batch(original, scheduler, batch, *args, **kwargs):
-    # NOTE: a request whose req_to_token row SGLang gave to another request (stale row; SGLang's own row
-    # generation tells, host side) must not run one more forward: SGLang indexes more than the KV table
-    # by the batch's device row indices. Each step it writes every request's sampled token into the
-    # overlap FutureMap's output_tokens_buf[row], from which the next step takes every request's input
-    # token; two requests on one row make the owner's next input whichever token the GPU's
-    # duplicate-index write kept (measured on the H200: the owner decoded a wrong token one or two
-    # steps later; on the CPU the later write wins, so it never showed there). So it is aborted here,
-    # before the step is prepared, through kvguard's abort (SGLang's prepare_abort, its error streamed,
-    # released without touching the row), and SGLang's own filter_batch below drops it as finished.
-    # With attention TP the ranks agree first (one small CPU all-reduce per decode step, as the verdict's),
-    # or they would prepare different batches and hang.
-    if batch is None or not batch.reqs:  # (ScheduleBatch.is_empty)
-        return original(scheduler, batch, *args, **kwargs)
-    allocator = getattr(batch, "token_to_kv_pool_allocator", None)  # (_guard_of_batch, inline: a per-step hook)
-    guard = getattr(allocator, "_kvguard", None) if allocator is not None else _guard_of_batch(batch)
-    if guard is not None:
-        group = None if _ONE_RANK else (_GROUP[0] if _GROUP else _attn_tp())[0]
-        if group is not None or guard.stale_flags(batch)[1]:  # (the steady state on one rank: nothing stale)
-            stale = guard.stale_aborts(batch, group)
-            if stale:
-                guard.abort(stale, tree_cache=scheduler.tree_cache, stream=scheduler.output_streamer.stream_output)
-    return original(scheduler, batch, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -841,7 +721,7 @@ def _install_before_capture(scheduler):
     # install: the hook that failed to apply may be that one, and then nothing would install at all.
     preflight(getattr(scheduler, "server_args", None), getattr(scheduler, "model_config", None))
     guard = install(pool, allocator, None, config=config)
-    agreement = _attn_tp()[1]
+    agreement = runtime._attn_tp()[1]
     if config.graph and guard.device.type == "cuda" and agreement is None and guard.graph is None:
         # SGLang captures batch sizes up to its row pool's size (get_batch_sizes_to_capture); a larger one would
         # capture without the check, and that runner's decode checks are then launched as batches are prepared.

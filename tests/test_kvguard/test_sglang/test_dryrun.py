@@ -36,17 +36,24 @@ TINY_QWEN3_NEXT = {
 LINES = [
     ("plain", [], "llama", True, "extend_decode"),
     ("pd_decode_mooncake", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"],
-     "llama", False, "pd_decode_transfer_backend"),
-    ("pd_prefill", ["--disaggregation-mode", "prefill"], "llama", False, "pd_prefill"),
+     "llama", False, "pd_decode_retraction_backup"),  # (mooncake itself is checked: pd_decode_mooncake)
+    ("pd_prefill", ["--disaggregation-mode", "prefill"], "llama", True, "pd_prefill_mooncake"),
+    ("pd_decode_nixl", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
+                        "--disaggregation-decode-retraction-backup", "none"], "llama", False,
+     "pd_decode_transfer_backend"),
     ("dp_attention", ["--enable-dp-attention", "--dp-size", "8", "--tp-size", "8"], "llama", False, "dp_attention"),
     ("mtp_eagle", ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk",
-                   "1", "--speculative-num-draft-tokens", "4"], "llama", False, "speculative_decoding"),
+                   "1", "--speculative-num-draft-tokens", "4"], "llama", True, "speculative_decoding"),
+    ("tree_eagle", ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk",
+                    "4", "--speculative-num-draft-tokens", "8"], "llama", False, "speculative_tree_drafting"),
     ("hicache", ["--enable-hierarchical-cache"], "llama", False, "hierarchical_cache"),
     ("no_overlap", ["--disable-overlap-schedule"], "llama", True, "normal_loop"),
     ("mixed_chunk", ["--enable-mixed-chunk"], "llama", True, "mixed_chunk"),
     ("tp2", ["--tp-size", "2"], "llama", True, "tensor_parallel"),
     ("pp2", ["--pp-size", "2"], "llama", False, "pipeline_parallel"),
-    ("qwen3_next", [], "qwen3_next", False, "hybrid_linear_attention"),
+    ("qwen3_next", [], "qwen3_next", False, "hybrid_linear_radix_cache"),
+    ("qwen3_next_no_radix", ["--disable-radix-cache", "--mamba-radix-cache-strategy", "no_buffer",
+                             "--disable-overlap-schedule"], "qwen3_next", True, "hybrid_linear_attention"),
 ]
 
 
@@ -78,7 +85,8 @@ def commands(models, tmp_path_factory):
     }
     if script.exists():
         started["check_refused"] = subprocess.Popen(
-            [str(script), "check", "--model-path", models["llama"], "--disaggregation-mode", "prefill"],
+            [str(script), "check", "--model-path", models["llama"], "--disaggregation-mode", "prefill",
+             "--disaggregation-transfer-backend", "nixl"],
             cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
 
@@ -148,7 +156,8 @@ def test_a_hub_id_is_not_fetched_and_its_model_facts_are_named(dryrun):
     text = dryrun.report(verdict)
     for name in MODEL_FACTS:
         assert f"    {name}: would turn on " in text
-    assert "hybrid_linear: would turn on hybrid_linear_attention (refused)" in text
+    assert "hybrid_linear: would turn on hybrid_linear_attention (checked), hybrid_linear_radix_cache (refused)" \
+        in text
     assert "the model facts above are not known" in text
 
 

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.sglang
 def ranks(request, monkeypatch):
     """The process's attention-TP group: not looked up yet (the hooks look it up each step), or looked up and one
     rank, as in every SGLang scheduler of a TP-1 server (the verdict's hook then compares the result word inline)."""
-    from kvguard.sglang import plugin
+    from kvguard.sglang import plugin, runtime  # noqa: F401
 
-    monkeypatch.setattr(plugin, "_GROUP", [(None, None)] if request.param else [])
-    monkeypatch.setattr(plugin, "_ONE_RANK", request.param)
+    monkeypatch.setattr(runtime, "_GROUP", [(None, None)] if request.param else [])
+    monkeypatch.setattr(runtime, "_ONE_RANK", request.param)
     return request.param
 
 
@@ -58,7 +58,7 @@ def step(rig, runner, batch, *, replay=True, before_replay=None):
     """One decode step on the graph path: SGLang's prepare_for_decode (kvguard's alloc_for_decode hook arms the
     check), the replay hook (the check's epoch), the captured check on the forward's buffers (``replay``), then
     kvguard's result hook around SGLang's processing. Returns (whether SGLang's processing ran, the processor)."""
-    from kvguard.sglang import plugin
+    from kvguard.sglang import plugin, runtime  # noqa: F401
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     batch.prepare_for_decode()

@@ -5,7 +5,10 @@ items 1 and 7).
   (mamba) hybrid is ``hybrid_linear`` (SGLang's ``uses_ssm_state``), DeepSeek-V3 is MLA (``attention_arch`` is an
   IntEnum whose ``str()`` is a number), GPT-OSS a sliding-window hybrid, Whisper an encoder-decoder; a Llama none
   of them. Before the fix the hybrid models read as plain (served) and MLA was never true.
-- the structural backstop at install: a real ``HybridReqToTokenPool`` (it holds a mamba state pool) is refused
+- a hybrid linear-attention model is served with the radix cache off (kvguard.sglang.mamba follows its state
+  slots) and refused with it on (the tree's state slots are not followed), named.
+- the structural backstop at install: a real ``HybridReqToTokenPool`` is followed (the state follower attached)
+  with no live tree; with a live tree, or as a subclass kvguard does not follow (PD decode's), it is refused
   whatever the facts said.
 - SGLang's loader swallows an ImportError from a plugin: with ``KVGUARD_MODE=check`` and a dependency of kvguard
   that fails to import, ``load_plugins()`` must stop the process, not return with the server unguarded.
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from faultlab.sglang_live import families
-from kvguard.sglang.paths import BY_NAME, facts_of, refusal
+from kvguard.sglang.paths import BY_NAME, active, facts_of, refusal
 
 pytestmark = pytest.mark.sglang
 
@@ -61,15 +64,41 @@ def test_model_facts_are_sglangs(configs, name):
     assert on == FAMILIES[name][1], (name, on)
 
 
-@pytest.mark.parametrize("name, path", [("qwen3_next", "hybrid_linear_attention"),
-                                        ("nemotron_h", "hybrid_linear_attention"),
-                                        ("gpt_oss", "sliding_window")])
+@pytest.mark.parametrize("name, path", [("qwen3_next", "hybrid_linear_radix_cache"),
+                                        ("nemotron_h", "hybrid_linear_radix_cache")])
 def test_a_hybrid_model_is_refused_at_start_with_the_reason(configs, name, path):
     from kvguard.sglang.plugin import server_refusal
 
     args, _ = configs[name]
     message = server_refusal(args)  # what check_server_args and the launcher ask: the model's config read by SGLang
     assert message is not None and path in message and BY_NAME[path].why in message, message
+
+
+def test_a_sliding_window_model_is_served_and_an_own_pool_one_refused(configs):
+    from kvguard.sglang.paths import Facts
+    from kvguard.sglang.plugin import server_refusal
+
+    args, model_config = configs["gpt_oss"]
+    assert server_refusal(args) is None  # kvguard.sglang.swa follows SGLang's paged SWA pools
+    assert BY_NAME["sliding_window"] in active(facts_of(args, model_config))
+    for own in (Facts(hybrid_swa=True, swa_compress=True), Facts(hybrid_swa=True, deepseek_v4=True)):
+        message = refusal(own)
+        assert message is not None and "sliding_window_own_pool" in message, message
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h"])
+def test_a_hybrid_linear_model_is_served_without_the_radix_cache(configs, name):
+    import dataclasses
+
+    from kvguard.sglang.paths import active
+    from kvguard.sglang.plugin import server_refusal
+
+    args, model_config = configs[name]
+    args = dataclasses.replace(args, disable_radix_cache=True) if dataclasses.is_dataclass(args) else args
+    if not dataclasses.is_dataclass(args):
+        args.disable_radix_cache = True
+    assert server_refusal(args) is None
+    assert "hybrid_linear_attention" in {p.name for p in active(facts_of(args, model_config))}
 
 
 def test_mla_is_read_from_the_enum_by_name(configs):
@@ -100,20 +129,39 @@ def test_an_encoder_decoder_model_config_is_read_so(tmp_path):
     assert model_facts(probe)["encoder_decoder"] and not model_facts(probe)["hybrid_linear"]
 
 
-def test_the_backstop_refuses_sglangs_hybrid_row_pool(configs, make_rig):
-    """Whatever the facts said: a row pool holding a mamba state pool is refused at install, named."""
+def _hybrid_pool(configs, cls=None):
     from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    cfg = mambaish_config(configs["qwen3_next"][1])
+    return (cls or HybridReqToTokenPool)(
+        size=4, mamba_size=4, mamba_spec_state_size=0, max_context_len=64, device="cpu", enable_memory_saver=False,
+        cache_params=cfg.mamba2_cache_params, mamba_layer_ids=list(cfg.linear_layer_ids),
+        enable_mamba_extra_buffer=False)
+
+
+def test_the_backstop_follows_a_plain_hybrid_row_pool_and_refuses_the_rest(configs, make_rig):
+    """A plain HybridReqToTokenPool with no live tree is followed; with a live tree (its state slots), or a subclass
+    kvguard does not follow, it is refused at install whatever the facts said, named."""
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     from kvguard.sglang.plugin import KVGuardStartupError, install
 
     rig = make_rig(1)
-    cfg = mambaish_config(configs["qwen3_next"][1])
-    pool = HybridReqToTokenPool(size=4, mamba_size=4, mamba_spec_state_size=0, max_context_len=64, device="cpu",
-                                enable_memory_saver=False, cache_params=cfg.mamba2_cache_params,
-                                mamba_layer_ids=list(cfg.linear_layer_ids), enable_mamba_extra_buffer=False)
-    with pytest.raises(KVGuardStartupError, match="hybrid_linear_attention"):
-        install(pool, rig.allocator, rig.tree, registry=rig.registry)
+    pool = _hybrid_pool(configs)
+    with pytest.raises(KVGuardStartupError, match="hybrid_linear_radix_cache"):
+        install(pool, rig.allocator, rig.tree, registry=rig.registry)  # a live radix tree: its state slots
+
+    class _Other(HybridReqToTokenPool):  # e.g. PD decode's HybridMambaDecodeReqToTokenPool
+        pass
+
+    with pytest.raises(KVGuardStartupError, match="hybrid_linear_state_pool"):
+        install(_hybrid_pool(configs, _Other), rig.allocator, None, registry=rig.registry)
+    followed = make_rig(1)
+    guard = install(pool, followed.allocator, None, registry=followed.registry)
+    assert guard.mamba is pool._kvguard_mamba and pool.mamba_allocator._kvguard_mamba is guard.mamba
+    pool = _hybrid_pool(configs, _Other)
+    rig = make_rig(1)
     # The install before SGLang's graph capture stops the scheduler too: before, it returned None on any refusal
     # and left the install to build_kv_cache's hook (none at all, were that hook the one SGLang failed to apply).
     from types import SimpleNamespace
@@ -121,7 +169,7 @@ def test_the_backstop_refuses_sglangs_hybrid_row_pool(configs, make_rig):
     from kvguard.sglang.plugin import _install_before_capture
 
     runner = SimpleNamespace(req_to_token_pool=pool, token_to_kv_pool_allocator=rig.allocator)
-    with pytest.raises(KVGuardStartupError, match="hybrid_linear_attention"):
+    with pytest.raises(KVGuardStartupError, match="hybrid_linear_state_pool"):
         _install_before_capture(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner), server_args=None,
                                                 model_config=None))
     assert install(rig.req_to_token_pool, rig.allocator, rig.tree, registry=rig.registry) is not None
@@ -153,10 +201,10 @@ def test_a_kvguard_dependency_that_fails_to_import_stops_the_loader(tmp_path, mo
 def _tp_lookup(rank: int, world: int, port: int, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world)
-    from kvguard.sglang import plugin
+    from kvguard.sglang import plugin, runtime  # noqa: F401
 
     try:  # SGLang's attention-TP group was never made in this process: the lookup fails
-        result = "one rank" if plugin._attn_tp()[0] is None else "group"
+        result = "one rank" if runtime._attn_tp()[0] is None else "group"
     except SystemExit as err:
         result = f"stopped: {err}"
     with open(f"{out}.{rank}", "w") as f:

@@ -29,15 +29,23 @@ ROOT = Path(__file__).resolve().parents[3]
 # HiSparse needs a DSA model, PD decode's KV offload a HiCache storage backend, the
 # rest a model of that kind: their Facts are checked here, and their schedulers refuse at install).
 REFUSED_FACTS = {
-    "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode"), {"disaggregation_mode": "decode"}),
-    "pd_prefill": (Facts(disaggregation_mode="prefill"), {"disaggregation_mode": "prefill"}),
-    "speculative_decoding": (Facts(speculative_algorithm="NGRAM"), {"speculative_algorithm": "NGRAM"}),
+    # (NIXL is not installed here: a meta-package over its CUDA builds, nixl-cu12 / nixl-cu13)
+    "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode", transfer_backend="nixl"), None),
+    "pd_prefill": (Facts(disaggregation_mode="prefill", transfer_backend="nixl"), None),
+    "speculative_other_algorithms": (Facts(speculative_algorithm="NGRAM"), {"speculative_algorithm": "NGRAM"}),
+    "speculative_tree_drafting": (Facts(speculative_algorithm="EAGLE", spec_topk=4), None),  # (needs a draft model)
+    "speculative_multi_layer_eagle": (Facts(speculative_algorithm="EAGLE", spec_multi_layer=True), None),
     "hierarchical_cache": (Facts(hierarchical_cache=True), {"enable_hierarchical_cache": True}),
     "hisparse": (Facts(hisparse=True), None),
-    "sliding_window": (Facts(hybrid_swa=True), "swa_model"),
-    "hybrid_linear_attention": (Facts(hybrid_linear=True),  # (SGLang itself refuses extra_buffer on the CPU)
-                                ("linear_model", {"mamba_radix_cache_strategy": "no_buffer",
-                                                  "disable_overlap_schedule": True})),
+    "sliding_window_own_pool": (Facts(hybrid_swa=True, swa_compress=True), None),  # (Gemma4 / MiMo: not on this CPU)
+    "sliding_window_spec_pd": (Facts(hybrid_swa=True, speculative_algorithm="EAGLE"), None),
+    "hybrid_linear_radix_cache": (Facts(hybrid_linear=True),  # (SGLang itself refuses extra_buffer on the CPU)
+                                  ("linear_model", {"mamba_radix_cache_strategy": "no_buffer",
+                                                    "disable_overlap_schedule": True})),
+    "hybrid_linear_state_pool": (Facts(hybrid_linear=True, radix=False, disaggregation_mode="decode",
+                                       transfer_backend="fake", decode_retraction_backup="none"), None),
+    "hybrid_linear_speculative": (Facts(hybrid_linear=True, radix=False, speculative_algorithm="EAGLE"), None),
+    "hybrid_linear_tensor_parallel": (Facts(hybrid_linear=True, radix=False, tp_size=2), None),
     "dp_attention": (Facts(dp_attention=True), {"attn_dp_size": 2, "tp_size": 2}),
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
@@ -82,6 +90,9 @@ def test_the_default_configuration_is_served():
     assert refusal(Facts()) is None
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="fake", decode_retraction_backup="none",
                          tp_size=2, mla=True, mixed_chunk=True, overlap=False)) is None
+    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", decode_retraction_backup="none",
+                         overlap=False)) is None
+    assert refusal(Facts(disaggregation_mode="prefill", transfer_backend="mooncake", overlap=False)) is None
 
 
 def test_docs_coverage_table_is_the_registry():
@@ -194,7 +205,8 @@ def test_launcher_exits_2_naming_the_refused_path(models, tmp_path):
                            "--device", "cpu", "--load-format", "dummy", "--speculative-algorithm", "NGRAM"],
                           env=_env("check"), cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "speculative_decoding" in proc.stderr and BY_NAME["speculative_decoding"].why in proc.stderr
+    path = BY_NAME["speculative_other_algorithms"]
+    assert path.name in proc.stderr and path.why in proc.stderr
 
 
 def test_self_check_finds_every_hook_and_names_one_sglang_skipped(check_hooks, monkeypatch):

@@ -323,8 +323,9 @@ def test_stale_request_never_feeds_its_token_to_the_rows_new_owner(make_rig, pag
     # Found on the H200: SGLang relays each request's sampled token to its next step through the overlap
     # FutureMap (output_tokens_buf[req_pool_idx], written with the batch's device row indices). A stale
     # request still decoding on its old row made the new owner's next input whichever of the two tokens
-    # the duplicate-index write kept. kvguard aborts it in Scheduler.update_running_batch, before the
-    # step is prepared. (The whole scheduler runs in test_sglang_engine.py; here its two calls that matter,
+    # the duplicate-index write kept. kvguard aborts it before the step is prepared (kvguard.sglang.stale, in
+    # Scheduler._reqs_finishing_inflight, the first call of update_running_batch). (The whole scheduler runs in
+    # test_sglang_engine.py; here its two calls that matter,
     # filter_batch and prepare_for_decode, with the real pools and FutureMap.) On the CPU the later
     # duplicate write wins, so the stale request comes after the owner.
     from types import SimpleNamespace
@@ -332,7 +333,7 @@ def test_stale_request_never_feeds_its_token_to_the_rows_new_owner(make_rig, pag
     from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload, resolve_forward_inputs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from kvguard.sglang.plugin import _around_update_running_batch
+    from kvguard.sglang.stale import around_reqs_finishing_inflight
 
     rig = make_rig(page_size)
     rig.install(registry=rig.registry)
@@ -354,7 +355,7 @@ def test_stale_request_never_feeds_its_token_to_the_rows_new_owner(make_rig, pag
         return batch
 
     owner_row = rig.row(owner).clone()
-    batch = _around_update_running_batch(update_running_batch, scheduler, batch)
+    batch = around_reqs_finishing_inflight(update_running_batch, scheduler, batch)
     assert streamed == [victim] and victim.finished() and "stale row" in victim.finished_reason.message
     assert batch.reqs == [owner, other]
     assert rig.verdict(batch) == {owner.rid: 0, other.rid: 0}

@@ -29,6 +29,18 @@ def _join(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     plugins._plugins_loaded = False
     plugins.load_plugins()
+    import kvguard.sglang.plugin as plugin  # noqa: F401
+    import kvguard.sglang.runtime as runtime
+
+    # kvguard's lookup of the attention-TP groups finds none here (the rig runs no SGLang model-parallel init), in a
+    # world of two ranks: it stops, never takes this for one rank. The rig's per-step hooks then run as one rank;
+    # each test makes the ranks agree explicitly (the group passed to stale_aborts / resolve, or set in _GROUP).
+    try:
+        runtime._attn_tp()
+        raise AssertionError("a failed attention-TP lookup in a 2-rank world was taken for one rank")
+    except SystemExit:
+        pass
+    runtime._GROUP[:], runtime._ONE_RANK = [(None, None)], True
 
 
 def _agreement():
@@ -93,20 +105,20 @@ def _broken_entry_at_forward(rank: int) -> dict:
     """As :func:`_broken_entry`, with the decode check armed by SGLang's own prepare_for_decode (kvguard's hook)
     and fired by the forward that runs the batch (an eager decode forward: ``fire_armed``), which all-reduces the
     verdict over the ranks right after the launch; the verdict read as the result hook reads it."""
-    import kvguard.sglang.plugin as plugin
+    import kvguard.sglang.plugin as plugin  # noqa: F401
+    import kvguard.sglang.runtime as runtime
 
-    # kvguard's lookup of the attention-TP groups finds none here (the rig runs no SGLang model-parallel init):
-    # it is given this process group as SGLang's CPU group of the attention-TP ranks
-    assert plugin._attn_tp() == (None, None) and plugin._ONE_RANK
-    plugin._GROUP[:], plugin._ONE_RANK = [(dist.group.WORLD, _agreement())], False
+    # it is given this process group as SGLang's CPU group of the attention-TP ranks (see _join)
+    runtime._GROUP[:], runtime._ONE_RANK = [(dist.group.WORLD, _agreement())], False
     try:
         return _at_forward(rank)
     finally:
-        plugin._GROUP[:], plugin._ONE_RANK = [(None, None)], True
+        runtime._GROUP[:], runtime._ONE_RANK = [(None, None)], True
 
 
 def _at_forward(rank: int) -> dict:
-    import kvguard.sglang.plugin as plugin
+    import kvguard.sglang.plugin as plugin  # noqa: F401
+    import kvguard.sglang.runtime as runtime
 
     rig, guard = _rank_rig()
     guard.defer = True  # as on a scheduler whose decode forwards all go through a runner kvguard hooks
@@ -119,7 +131,7 @@ def _at_forward(rank: int) -> dict:
             table[victim.kv.req_pool_idx, 3] = table[batch.reqs[0].kv.req_pool_idx, 3]
         batch.prepare_for_decode()  # kvguard's alloc_for_decode hook arms the check (attention TP: 2 ranks)
         pending = batch._kvguard
-        fired.append([pending.slot, pending.group is plugin._GROUP[0][1]])  # slot -1: armed, not launched
+        fired.append([pending.slot, pending.group is runtime._GROUP[0][1]])  # slot -1: armed, not launched
         guard.fire_armed(SimpleNamespace(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                                          out_cache_loc=batch.out_cache_loc, batch_size=len(batch.reqs)))
         # what the result hook reads before any wait: every rank's verdict in, and clean
