@@ -27,3 +27,22 @@ def assert_victims_aborted(ep: dict, fault: str, where: str = "") -> set:
                                     f"{sorted(victims)}; events {injected or ep['events']}")
     assert all("kvguard" in msg for msg in errors.values()), errors
     return victims
+
+
+def assert_balanced(run: dict, ep: dict) -> None:
+    """The episode left no server death and SGLang's own idle accounting balanced."""
+    if ep["label"] in run["deaths"]:  # the clients got their answers, then the scheduler died
+        pytest.fail(run["deaths"][ep["label"]])
+    idle = ep["idle_check"]
+    assert idle is not None, f"{run['name']} {ep['label']}: no idle accounting check was logged afterwards"
+    assert idle["balanced"], f"{run['name']} {ep['label']}: SGLang's pool accounting afterwards: {idle}"
+
+
+def assert_clean(run: dict, label: str) -> dict:
+    """A fault-free episode: no request aborted, every one answered, pools balanced."""
+    ep = episode(run, label)
+    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+    assert errors == {}, f"{run['name']} {label}: false aborts {errors}"
+    assert all(r["output_ids"] for r in ep["requests"])
+    assert_balanced(run, ep)
+    return ep

@@ -29,6 +29,7 @@ import os
 import time
 
 import pytest
+from live_episodes import assert_balanced as _balanced, assert_clean as _clean
 from live_episodes import assert_victims_aborted, by_index, episode
 
 from faultlab.sglang_live.families import NEMOTRON_H
@@ -83,23 +84,6 @@ def hybrid(tmp_path_factory):
     episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
     episodes += [{"label": f"soak{i}", "fault": None, "seed": SEED, "workload": SOAK} for i in range(SOAKS)]
     return _run(tmp_path_factory, "nemotron_h", SPEC, episodes)
-
-
-def _balanced(run: dict, ep: dict) -> None:
-    if ep["label"] in run["deaths"]:
-        pytest.fail(run["deaths"][ep["label"]])
-    idle = ep["idle_check"]
-    assert idle is not None, f"{ep['label']}: no idle accounting check was logged afterwards"
-    assert idle["balanced"], f"{ep['label']}: SGLang's pool accounting afterwards: {idle}"
-
-
-def _clean(run: dict, label: str) -> dict:
-    ep = episode(run, label)
-    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-    assert errors == {}, f"{label}: false aborts {errors}"
-    assert all(r["output_ids"] for r in ep["requests"])
-    _balanced(run, ep)
-    return ep
 
 
 def test_the_hybrid_engine_serves_a_clean_episode_checked(hybrid):

@@ -36,7 +36,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from live_episodes import assert_victims_aborted, by_index as _by_index, episode as _episode
+from live_episodes import (assert_balanced as _assert_balanced, assert_clean as _assert_clean,  # noqa: F401
+                           assert_victims_aborted, by_index as _by_index, episode as _episode)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -118,23 +119,6 @@ def _summary(run: dict) -> str:
 
 def _events(ep: dict, kind: str) -> list[dict]:
     return [e for e in ep["events"] if e["event"] == kind]
-
-
-def _assert_balanced(run: dict, ep: dict) -> None:
-    if ep["label"] in run["deaths"]:  # the clients got their answers, then the scheduler died
-        pytest.fail(run["deaths"][ep["label"]])
-    idle = ep["idle_check"]
-    assert idle is not None, f"{run['name']} {ep['label']}: no idle accounting check was logged afterwards"
-    assert idle["balanced"], f"{run['name']} {ep['label']}: SGLang's pool accounting afterwards: {idle}"
-
-
-def _assert_clean(run: dict, label: str) -> dict:
-    ep = _episode(run, label)
-    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-    assert errors == {}, f"{run['name']} {label}: false aborts {errors}"
-    assert all(r["output_ids"] for r in ep["requests"])
-    _assert_balanced(run, ep)
-    return ep
 
 
 def _mismatches(ep: dict, clean: dict, victims: set) -> dict:

@@ -30,6 +30,7 @@ import os
 import time
 
 import pytest
+from live_episodes import assert_balanced as _balanced, assert_clean as _clean
 from live_episodes import assert_victims_aborted, by_index, episode
 
 from faultlab.sglang_live.families import GPT_OSS
@@ -82,23 +83,6 @@ def hybrid(tmp_path_factory):
     print(f"gpt_oss: startup {result['startup_s']:.0f} s, {time.time() - t0:.0f} s in all; "
           + ", ".join(f"{label}: {ep['steps']} steps" for label, ep in eps.items()))
     return run
-
-
-def _balanced(run: dict, ep: dict) -> None:
-    if ep["label"] in run["deaths"]:
-        pytest.fail(run["deaths"][ep["label"]])
-    idle = ep["idle_check"]
-    assert idle is not None, f"{ep['label']}: no idle accounting check was logged afterwards"
-    assert idle["balanced"], f"{ep['label']}: SGLang's pool accounting afterwards: {idle}"
-
-
-def _clean(run: dict, label: str) -> dict:
-    ep = episode(run, label)
-    errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-    assert errors == {}, f"{label}: false aborts {errors}"
-    assert all(r["output_ids"] for r in ep["requests"])
-    _balanced(run, ep)
-    return ep
 
 
 def test_swa_pools_followed(hybrid):
