@@ -1,6 +1,6 @@
 """kvguard's steady-state host work per decode step, hook by hook, on the CPU (a developer's loop, no GPU).
 
-The decode graph path as a GPU server runs it (kvguard.sglang.plugin), without the model: real SGLang 0.5.23
+The decode graph path as a GPU server runs it (kvguard.sglang.batches, .graphs), without the model: real SGLang 0.5.23
 pools, tree, requests and ScheduleBatch (faultlab.sglang_live.rig), SGLang's own decode allocation, and each
 of kvguard's per-step hooks called the way SGLang's HookRegistry calls it. Each hook is timed by the
 ``kvguard_bench`` profiler's own timer (faultlab.sglang_gpu.profiler: an AROUND hook is charged only its own
@@ -44,12 +44,12 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
 
     from faultlab.sglang_gpu import profiler, timers
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
-    from kvguard.sglang import plugin, stale
+    from kvguard.sglang import batches, graphs, stale
 
     torch.set_num_threads(1)  # no intra-op worker threads beside the one being timed (steadier figures)
     if not torch.distributed.is_initialized():
         # SGLang initialises torch.distributed in every scheduler, one rank included: kvguard's hooks look the
-        # attention-TP group up once (kvguard.sglang.plugin._attn_tp), as on a server, not on every step.
+        # attention-TP group up once (kvguard.sglang.runtime._attn_tp), as on a server, not on every step.
         import socket
 
         with socket.socket() as s:
@@ -83,10 +83,10 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
         # the stale-row abort before the step (kvguard.sglang.stale; until issue 47 on update_running_batch)
         "reqs_finishing_inflight": prof.timed("reqs_finishing_inflight", stale.around_reqs_finishing_inflight,
                                               around=True),
-        "alloc_for_decode": prof.timed("alloc_for_decode", plugin._around_alloc_for_decode, around=True),
-        "graph_execute": prof.timed("graph_execute", plugin._around_graph_execute, around=True),
+        "alloc_for_decode": prof.timed("alloc_for_decode", batches._around_alloc_for_decode, around=True),
+        "graph_execute": prof.timed("graph_execute", graphs._around_graph_execute, around=True),
         "process_batch_result_decode": prof.timed("process_batch_result_decode",
-                                                  plugin._around_process_batch_result_decode, around=True),
+                                                  batches._around_process_batch_result_decode, around=True),
         # the floor: an AROUND hook that only calls SGLang's code, timed the same way (the profiler's own share
         # and a hook's call, as cold as the others; not kvguard's, not in the sum)
         "empty_hook": prof.timed("empty_hook", _empty_hook, around=True),

@@ -153,11 +153,12 @@ def test_dev_env_has_both_distributions_each_with_its_entry_point():
 
 
 def test_kvguard_ships_only_its_own_kernels():
-    """kvguard/ is the production tracker: its kernels are the check (eager, and as a CUDA-graph node), the
-    decode recorder (with the tag bump), their direct launcher, the sliding-window map check and the recurrent
-    state-slot check; the engine owns the others (attention, KV store, INT4 GEMM)."""
+    """kvguard/ is the production tracker: its kernels are the check (eager, and as a CUDA-graph node) with its
+    write guard, the decode recorder (with the tag bump), their direct launcher, the sliding-window map check and
+    the recurrent state-slot check; the engine owns the others (attention, KV store, INT4 GEMM)."""
     assert sorted(p.name for p in KERNELS.glob("*.py")) == ["__init__.py", "graph_check.py", "launch.py", "record.py",
-                                                            "state_check.py", "tag_check.py", "window_check.py"]
+                                                            "state_check.py", "tag_check.py", "window_check.py",
+                                                            "write_guard.py"]
 
 
 def test_kvguard_sources_never_import_pytest_or_hypothesis():

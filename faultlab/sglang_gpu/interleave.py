@@ -12,7 +12,7 @@ overlap scheduler's in-flight batch straddles the switch).
 
 What the "off" steps leave out is kvguard's per-step check: the stale-row test (``_reqs_finishing_inflight``), the
 arming of the check (the ``alloc_for_decode`` hook runs only its bookkeeping half,
-``kvguard.sglang.plugin.record_alloc_for_decode``) and the verdict's read (``process_batch_result_decode``); see
+``kvguard.sglang.batches.record_alloc_for_decode``) and the verdict's read (``process_batch_result_decode``); see
 :data:`CHECK_HOOKS`. Everything that keeps kvguard's record of the pages true goes on in both modes, since
 requests live across the switch: the allocation records and tag bumps, the extend hooks, the graph replay's epoch
 count (its captured check then checks no rows). Its host time is measured in both modes, so the off steps' host

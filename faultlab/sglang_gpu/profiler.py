@@ -288,6 +288,7 @@ def register_timing() -> None:
     def wrap_hook(target: str, hook, hook_type):
         name = "hook:" + target.rsplit(".", 1)[-1]
         decode = target.endswith(".alloc_for_decode")  # where a decode step starts (kvguard arms its check there)
+        spec = target.endswith(".alloc_for_spec_decode")  # where a spec (verify) step starts
         if profiler is not None and decode:
             hook = profiled(profiler, hook)
         # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
@@ -296,14 +297,14 @@ def register_timing() -> None:
         if prof.schedule is not None:  # interleave: only the per-step check is off in an off iteration
             always = not target.endswith(interleave.CHECK_HOOKS)
             if decode:  # the allocation's bookkeeping goes on, the check is not armed
-                from kvguard.sglang.plugin import record_alloc_for_decode as off
+                from kvguard.sglang.batches import record_alloc_for_decode as off
         else:
             always = target.endswith("DecodeCudaGraphRunner.execute")
         timed = prof.timed(name, hook, around=(hook_type == HookType.AROUND), hook=True, always=always, off=off)
-        if decode:
+        if decode or spec:
             def marked(*a, **k):
                 if prof.schedule is not None or prof.kvguard_on():  # an "off" run of the switch is not an iteration
-                    prof.mark_iteration(len(a[1].reqs))  # (original, batch, ...)
+                    prof.mark_iteration(len(k["reqs"]) if spec else len(a[1].reqs))  # (original, batch, ...)
                 return timed(*a, **k)
             marked.__module__ = timed.__module__
             marked.__wrapped__ = timed  # kvguard's self-check follows the chain to its hook

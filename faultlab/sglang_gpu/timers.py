@@ -77,16 +77,19 @@ def _time_methods(prof) -> list[str]:
     import importlib
 
     wrap = ENTRIES | WAITS | (INNER if _inner_on() else set())
-    classes = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.guard",
+    classes = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.verdict_ring",
                "PoolFollower": "kvguard.sglang.follow", "TagTracker": "kvguard.tracker",
                "BoundCheck": "kvguard.kernels.tag_check"}
     done = []
     for name in sorted(wrap):
         cls_name, attr = name.split(".")
         cls = getattr(importlib.import_module(classes[cls_name]), cls_name)
-        value = cls.__dict__.get(attr)
+        # wrapped where it is defined: the class, or a part it is made of (e.g. SGLangGuard.resolve:
+        # kvguard.sglang.verdicts.VerdictSide, PoolFollower._filter: kvguard.sglang.release.ReleaseSide)
+        owner = next((c for c in cls.__mro__ if attr in vars(c)), cls)
+        value = owner.__dict__.get(attr)
         if not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
             raise AttributeError(f"kvguard_bench: {name} is not a method of {cls_name}")
-        setattr(cls, attr, prof.timed(name, value))
+        setattr(owner, attr, prof.timed(name, value))
         done.append(name)
     return done

@@ -142,7 +142,7 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     points at a page another candidate B holds privately; or at a slot of B's reserved region (both requests'
     draft forwards address one draft-pool slot); or A's last reserved slot is freed to the head of the free list
     while A's row still maps it (the step's allocation hands it out again). Victim: A (B and the slot's new holder
-    are not). See ``strikes._strike_spec``.
+    are not). See ``path_strikes._strike_spec``.
 
 ``shared_row`` lines (``rids``, ``rows``) name every decode step that SGLang is about to prepare with two
 requests on one ``req_to_token`` row (a stale row still scheduled next to its new owner).

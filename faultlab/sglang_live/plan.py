@@ -35,13 +35,13 @@ ROW_FAULTS = ("stale_batch_row",)
 # strikes between two decode steps of the reusers, once every reuser decodes.
 PD_FAULTS = ("late_transfer_write",)
 # Speculative decoding only (a spec engine: kvguard/sglang/spec.py): strike at arming, between two spec steps, in the
-# region alloc_for_spec_decode reserved past the committed length (faultlab/sglang_live/strikes.py: _strike_spec).
+# region alloc_for_spec_decode reserved past the committed length (faultlab/sglang_live/path_strikes.py: _strike_spec).
 SPEC_FAULTS = ("spec_region_entry", "rejected_page_freed", "draft_slot_reused")
 # Hybrid linear-attention / mamba models only (a HybridReqToTokenPool): mamba_index_swap strikes when armed, like a
-# decode fault; mamba_slot_reuse at a reuser's prefill, like a reuser fault (faultlab/sglang_live/strikes.py).
+# decode fault; mamba_slot_reuse at a reuser's prefill, like a reuser fault (faultlab/sglang_live/path_strikes.py).
 MAMBA_FAULTS = ("mamba_index_swap", "mamba_slot_reuse")
 # Sliding-window hybrids only (SWATokenToKVPoolAllocator): strike when armed, like a decode fault, at a position inside
-# the victim's window (faultlab/sglang_live/strikes.py: _strike_swa).
+# the victim's window (faultlab/sglang_live/path_strikes.py: _strike_swa).
 SWA_FAULTS = ("swa_cleared_entry", "swa_foreign_entry", "swa_freed_slot")
 FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + SPEC_FAULTS + MAMBA_FAULTS + SWA_FAULTS \
     + (CONTROL, ABORT_CONTROL)

@@ -1,6 +1,6 @@
 """kvguard's Triton kernels beside their torch references: the batched validation pass (``tag_check``, with
-the write guard riding on it; ``graph_check``: the same check as a node of SGLang's decode CUDA graphs),
-the decode recorder and the tag bump (``record``), and the direct launch
+the write guard riding on it, ``write_guard``; ``graph_check``: the same check as a node of SGLang's decode CUDA
+graphs), the decode recorder and the tag bump (``record``), and the direct launch
 of their compiled variants that a server makes every step (``launch``).
 
 It lives inside the ``kvguard`` package on purpose: there is no top-level ``kernels`` folder, so a bare

@@ -26,13 +26,12 @@ Nothing the caller asks for is skipped silently: entries past what one launch ca
 the table's width, ``expected``'s width) count as bad, and a row index outside ``table`` or ``expected``
 flags its request without any load.
 """
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .launch import I32, DirectLaunch, spec
+from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard  # also imported from here
 
 DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
@@ -40,24 +39,6 @@ DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs
 # NOTE: the grid-shaped integers change from step to step (n_chunks is 1 for a short batch, many for a long
 # one); specializing on them (== 1, % 16) would compile new variants mid-serving. Only BLOCK and the flags
 # select a variant, so warming up every block size (TagTracker.warm_up) compiles all of them.
-@dataclass(frozen=True)
-class WriteGuard:
-    """The coming forward's KV write slots, rewritten to ``scratch`` for every flagged request.
-
-    ``slots`` (1-D int32/int64, on the table's device) is changed in place. Without ``starts``/``lens``
-    batch entry ``b`` owns ``slots[b]`` (a decode step); with them it owns
-    ``slots[starts[b]:starts[b] + lens[b]]`` (an extend: one slot per new token).
-    """
-
-    slots: torch.Tensor
-    starts: torch.Tensor | None = None
-    lens: torch.Tensor | None = None
-    scratch: int = 0
-
-
-GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS = 0, 1, 2  # the kernel's write-guard modes
-
-
 _PER_STEP = ["table_rows_ptr", "expected_rows_ptr", "n_entries_ptr", "verdict_ptr", "out_ptr", "out_starts_ptr",
              "out_lens_ptr", "flag_ptr", "cap", "n_chunks", "stamp", "scratch_slot"]
 
@@ -406,16 +387,3 @@ def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *
     if flag is not None and bool(verdict.any()):
         flag.view(-1)[0] = stamp
     return verdict
-
-
-def apply_guard(guard: WriteGuard, flagged: torch.Tensor) -> None:
-    """The write guard in torch: every slot of a flagged batch entry (bool ``[B]``) becomes ``guard.scratch``.
-
-    The reference's guard, and how a caller guards requests it flags itself (reads the segment bounds on
-    the host when there are segments: keep it off the common path)."""
-    if guard.starts is None:
-        guard.slots.masked_fill_(flagged, guard.scratch)
-        return
-    for b in flagged.nonzero().flatten().tolist():
-        first, length = int(guard.starts[b]), int(guard.lens[b])
-        guard.slots[first:first + length] = guard.scratch

@@ -15,7 +15,7 @@ the step's new tokens: the earliest query of the step reads ``window`` tokens ba
 
 One program per batch entry. Its count of bad entries is ADDED to ``verdict[b, 0]`` (the cell the main check
 wrote for that request, on the same stream before this launch), the host flag is set to ``stamp`` and the
-request's write slots are redirected to ``scratch`` (:class:`~kvguard.kernels.tag_check.WriteGuard`), exactly
+request's write slots are redirected to ``scratch`` (:class:`~kvguard.kernels.write_guard.WriteGuard`), exactly
 as the main check does: a flagged request is aborted by the same verdict. A table row outside ``table``
 flags its request without any load.
 """
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .launch import I32, DirectLaunch, spec
-from .tag_check import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard
+from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard
 
 BLOCK = 64  # entries read per loop iteration of a program (a decode window of 128 tokens: two)
 

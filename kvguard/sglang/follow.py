@@ -1,26 +1,18 @@
 """What kvguard follows in one SGLang 0.5.23 pool set: who holds which page, with which tag.
 
 :class:`PoolFollower` wraps methods of the *instances* that ``build_kv_cache`` returned (draft workers'
-pools and every other allocator in the process stay untouched):
-
-- the allocator's ``alloc`` / ``alloc_extend`` / ``alloc_decode`` (bump the pages handed out) and its
-  release path (bump the pages given back);
-- the allocator's ``free`` / ``free_page_ids`` entry points, which pass through unchanged except while an
-  aborted request is being released (:meth:`PoolFollower.releasing`): then only pages that request still
-  legitimately holds reach the free list;
-- the tree's ``checkpoint`` (the tree adopts a request's pages, or repoints its row to the tree's copy),
-  behind a gate while a verdict on the request is unread (:mod:`kvguard.sglang.radix`);
-- the row pool's ``free_rows`` (a released row's expectations are dropped).
+pools and every other allocator in the process stay untouched): the allocator's alloc and release paths, its
+free entry points, the tree's ``checkpoint`` and the row pool's alloc and ``free_rows``
+(:class:`kvguard.sglang.pool_wraps.PoolWraps`). It records each request's row as SGLang hands out its pages
+(here), tells which rows are no longer their requests' own (:meth:`PoolFollower.stale_flags`), and releases an
+aborted request safely (:class:`kvguard.sglang.release.ReleaseSide`).
 
 The check and the abort built on it are :class:`kvguard.sglang.guard.SGLangGuard`.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import math
-import operator
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -29,7 +21,9 @@ import torch
 from ..settings import TrackerConfig
 from ..tags import UNSET
 from ..tracker import TagTracker
+from .pool_wraps import PoolWraps
 from .radix import RadixTags
+from .release import ReleaseSide
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -49,7 +43,7 @@ class BatchRows:
     unknown_dev: torch.Tensor | None  # ~known on the pools' device (None when all are known)
 
 
-class PoolFollower:
+class PoolFollower(PoolWraps, ReleaseSide):
     """The bookkeeping of one SGLang scheduler's pools: tags, expectations, safe release."""
 
     def __init__(self, req_to_token_pool, allocator, tree_cache, config: TrackerConfig, registry=None):
@@ -95,146 +89,6 @@ class PoolFollower:
         self._wrap_allocator()
         self._wrap_tree_cache()
         self._wrap_req_pool()
-
-    # -- instance wrapping -----------------------------------------------------------------------
-    def _wrap_allocator(self) -> None:
-        a, ps = self.allocator, self.page_size
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            setattr(a, name, self._alloc_wrapper(getattr(a, name)))
-        if self._paged:
-            # NOTE: PagedTokenToKVPoolAllocator._release_page_ids is the one place where pages go back
-            # to the free list in 0.5.23: free() (after its unique), free_page_ids(), free_segment()
-            # (-> free_page_ids), free_group_end() (both its pending lists) and the need_sort staging
-            # all end there. Bumping there counts each release once, and a free deferred by a free
-            # group is bumped when the group ends, still before the next check.
-            release = a._release_page_ids
-
-            def _release_page_ids(*page_ids):
-                for ids in page_ids:
-                    self.tracker.on_free(ids)
-                return release(*page_ids)
-
-            a._release_page_ids = _release_page_ids
-            self._raw = {"free": a.free, "free_page_ids": a.free_page_ids}
-            a.free = lambda free_index: self._raw["free"](self._filter(free_index, ps, slots=True))
-            a.free_page_ids = lambda page_ids: self._raw["free_page_ids"](self._filter(page_ids, 1))
-        else:
-            # TokenToKVPoolAllocator (page_size 1): free() releases at once, or queues into an open
-            # free group whose free_group_end() calls free() again with no group open (bumped then).
-            # free_page_ids() calls free().
-            free = a.free
-
-            def _free_unfiltered(free_index):
-                if a.free_group is None and free_index.numel() > 0:
-                    self.tracker.on_free(free_index)
-                return free(free_index)
-
-            self._raw = {"free": _free_unfiltered, "free_page_ids": _free_unfiltered}
-            a.free = lambda free_index: _free_unfiltered(self._filter(free_index, 1))
-
-    def _staged_of(self) -> Callable[[], int]:
-        """The allocator's count of pages staged for release (freed, not yet in free_pages), as a plain function
-        (chosen once: it runs twice per allocation)."""
-        a = self.allocator
-        if hasattr(a, "num_staged_pages"):
-            return functools.partial(operator.attrgetter("num_staged_pages"), a)  # (C calls: no Python frame)
-        return lambda: 0 if getattr(a, "release_pages", None) is None else len(a.release_pages)
-
-    def _alloc_wrapper(self, original: Callable) -> Callable:
-        a, ps, staged_now = self.allocator, self.page_size, self._staged_of()
-
-        def alloc_wrapper(*args, **kwargs):
-            before, staged = a.free_pages, staged_now()
-            out = original(*args, **kwargs)
-            if out is None:
-                return out
-            if not staged or staged_now() == staged:
-                # NOTE: every allocation path of 0.5.23 hands out a prefix of free_pages (alloc takes
-                # free_pages[:k]; alloc_extend / alloc_decode run their kernel, then drop
-                # free_pages[:num_new_pages]). The new pages are exactly that prefix, known from two
-                # lengths on the host: no device sync.
-                taken = before.shape[0] - a.free_pages.shape[0]  # (not len(): a Python-level call per tensor)
-                if taken == 0:  # the steady decode step: no request starts a page (no tensor op)
-                    self._fresh = None
-                    return out
-                if self.defer_bump and self._pending_alloc is None:
-                    # a decode step's pages: the first `taken` of the old free list, read there by the step's
-                    # record launch (no slice: a tensor op per step)
-                    self._pending_alloc, self._fresh = (before, taken), None
-                    return out
-                pages = before[:taken]
-            else:
-                # merge_and_sort_free ran inside the call (need_sort, PD): free_pages was rebuilt.
-                pages = out[out % ps == 0] // ps
-            # The tag each slot of this allocation got, in allocation order (a page handed out twice in
-            # one call gets two tags; only the later holder's survives): recorded as each holder's
-            # expectation, so the earlier holder of a duplicated page is caught.
-            # NOTE: a decode step that starts no page hands out nothing: no tag bump (no device work). A decode
-            # step's bump is left to the step's record launch (defer_bump), which gives the same tags.
-            if self.defer_bump and pages.numel() and self._pending_alloc is None:
-                self._pending_alloc, self._fresh = (pages, pages.numel()), None
-            else:
-                self._fresh = self.tracker.on_alloc(pages) if pages.numel() else None
-            return out
-
-        alloc_wrapper.__wrapped__ = original
-        return alloc_wrapper
-
-    def attach_tree(self, tree_cache) -> None:
-        """Follow ``tree_cache`` too (a guard installed before SGLang built its tree: kvguard.sglang.plugin)."""
-        self.tree_cache = tree_cache
-        self._wrap_tree_cache()
-
-    def _wrap_tree_cache(self) -> None:
-        tree = self.tree_cache
-        if tree is None or not hasattr(tree, "checkpoint"):
-            return
-        checkpoint = tree.checkpoint
-
-        def _checkpoint(req, *args, **kwargs):
-            return self.adopt(req, checkpoint, *args, **kwargs)
-
-        tree.checkpoint = _checkpoint
-
-    def _wrap_req_pool(self) -> None:
-        pool = self.req_to_token_pool
-        for name in ("alloc", "alloc_rows"):  # every path that bumps SGLang's row generation (PD's pool: alloc)
-            if callable(getattr(pool, name, None)):
-                setattr(pool, name, self._rows_wrapper(getattr(pool, name)))
-        if not hasattr(pool, "free_rows"):
-            return
-        free_rows = pool.free_rows
-
-        gens = getattr(pool, "req_generation", None)
-
-        def _free_rows(indices):
-            for row in indices:
-                row = int(row)
-                if gens is not None:
-                    self._released[(row, int(gens[row]))] = self.tracker.expectation(row, 0, self.max_pages)
-                    while len(self._released) > 2 * self.num_rows:  # bounded: the oldest go first
-                        self._released.pop(next(iter(self._released)))
-                self.drop(row)
-            return free_rows(indices)
-
-        pool.free_rows = _free_rows
-
-    def _rows_wrapper(self, original: Callable) -> Callable:
-        def rows_wrapper(*args, **kwargs):
-            self.rows_version += 1  # before and after: a row handed out mid-call is never missed
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.rows_version += 1
-
-        rows_wrapper.__wrapped__ = original
-        return rows_wrapper
-
-    def flush_alloc(self) -> None:
-        """Bump a deferred decode allocation now (its record launch did not run, or needs the tags on the host)."""
-        pending, self._pending_alloc = self._pending_alloc, None
-        if pending is not None:
-            self._fresh = self.tracker.on_alloc(pending[0][:pending[1]])
 
     # -- recording ---------------------------------------------------------------------------------
     def drop(self, row: int) -> None:
@@ -463,84 +317,6 @@ class PoolFollower:
         log.error("kvguard: an allocation handed out %d pages where the rows took %d; their requests' new "
                   "entries expect nothing and are flagged", 0 if fresh is None else fresh.numel(), count)
         return torch.full((count,), UNSET, dtype=torch.int64, device=self.device)
-
-    def legit_pages(self, req) -> list[int]:
-        """Pages the request may give back: recorded for it past the tree's part, tags unchanged.
-
-        Never read from its ``req_to_token`` row (that row is what is broken). A page freed or handed to
-        somebody else since it was recorded carries another tag and is left alone.
-        """
-        ps, row = self.page_size, req.kv.req_pool_idx
-        if row is None:
-            return []
-        gens = getattr(self.req_to_token_pool, "req_generation", None)
-        if gens is not None and getattr(req, "kvguard_row_generation", int(gens[row])) != int(gens[row]):
-            return []  # the row belongs to a newer request now: nothing in it is ours to free
-        first = int(req.kv.cache_protected_len) // ps
-        end = -(-int(req.kv.kv_allocated_len) // ps)
-        if end <= first:
-            return []
-        return sorted(set(self.tracker.held_pages(int(row), first, end).tolist()))
-
-    @contextlib.contextmanager
-    def releasing(self, req):
-        """While SGLang releases an aborted request: free exactly the pages it still legitimately holds.
-
-        Frees naming other pages (its broken entries: another request's page, a tree page, a page
-        already freed, a slot off the pool) are dropped; its legitimate pages that the broken row no
-        longer names are freed afterwards, so SGLang's pool accounting ends as after a clean finish.
-        """
-        if self._holds is not None:  # already inside (kvguard's abort calls the hooked release)
-            yield
-            return
-        self._holds = self.legit_pages(req)
-        try:
-            yield
-            left = self._holds
-        finally:
-            self._holds = None
-        if left:
-            ids = torch.tensor(left, dtype=torch.int64, device=self.device)
-            self._raw["free_page_ids"](ids)
-
-    def release_stale(self, req, tree_cache) -> None:
-        """Release a request whose row SGLang gave to another request while it still ran (stale row).
-
-        Its row is the new owner's now: it is neither read nor freed. What the request still holds (its
-        pages as recorded when the row was released, tags unchanged, past the tree's part; its tree lock)
-        goes back, so SGLang's pool accounting ends as after a clean finish.
-        """
-        ps, row = self.page_size, req.kv.req_pool_idx
-        key = (int(row), getattr(req, "kvguard_row_generation", -1)) if row is not None else None
-        pages, tags = self._released.pop(key, (None, None)) if key is not None else (None, None)
-        ids = set()
-        if pages is not None:
-            first, end = int(req.kv.cache_protected_len) // ps, -(-int(req.kv.kv_allocated_len) // ps)
-            pages, tags = pages[first:end], tags[first:end]
-            held = (tags != UNSET) & (self.tracker.current_tags(pages).to(tags.device) == tags)
-            ids |= set(pages[held].tolist())
-        extra = req.__dict__.pop("kvguard_extra_pages", [])  # pages it got after its row was taken
-        if extra:
-            extra_pages = torch.tensor([p for p, _ in extra], dtype=torch.int64)
-            now = self.tracker.current_tags(extra_pages).cpu().tolist()
-            ids |= {p for (p, t), n in zip(extra, now) if t == n}
-        if ids:
-            self._raw["free_page_ids"](torch.tensor(sorted(ids), dtype=torch.int64, device=self.device))
-        if tree_cache is not None and getattr(req, "lock", None) is not None:
-            tree_cache.unlock(req.lock)
-            req.lock = None
-        req.kv.req_pool_idx = None  # the row stays with its new owner
-        req.kv.mark_kv_released()
-
-    def _filter(self, ids: torch.Tensor, unit: int, slots: bool = False) -> torch.Tensor:
-        """Pass ``ids`` (slots or page ids; ``unit`` slots per id) through, or keep only held pages."""
-        if self._holds is None or ids.numel() == 0:
-            return ids
-        pages = sorted(set((ids.long() // unit).tolist())) if unit > 1 else sorted(set(ids.long().tolist()))
-        keep = [p for p in pages if p in self._holds]
-        self._holds = [p for p in self._holds if p not in keep]
-        kept = torch.tensor(keep, dtype=ids.dtype, device=ids.device)
-        return kept * unit if slots else kept
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

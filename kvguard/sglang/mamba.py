@@ -232,7 +232,7 @@ class StateFollower:
     @staticmethod
     def _agree(pending, mine: list, group) -> list:
         """The requests flagged on any rank (one CPU all-reduce): (req, message, False)."""
-        from .guard import ABORT_MESSAGE, _all_reduce_max
+        from .aborts import ABORT_MESSAGE, _all_reduce_max
 
         here = {id(item[0]): item for item in mine}
         agreed = _all_reduce_max([int(id(req) in here) for req in pending.reqs], group)

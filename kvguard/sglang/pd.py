@@ -1,13 +1,15 @@
 """PD disaggregation on a real transfer backend (SGLang 0.5.23, Mooncake): what kvguard follows there.
 
 The decode side's rows and destination pages are recorded where SGLang preallocates them
-(``DecodePreallocQueue._pre_alloc``, kvguard.sglang.plugin: the transfer ticket); the prefill side's extend
-batches are recorded and checked through ``alloc_for_extend`` / ``prepare_for_extend`` like any other. This
-module adds what a real backend needs on top:
+(``DecodePreallocQueue._pre_alloc``: the transfer ticket); the prefill side's extend batches are recorded and
+checked through ``alloc_for_extend`` / ``prepare_for_extend`` like any other (kvguard.sglang.batches). The rest
+of this module is what a real backend needs on top:
 
 =====================================================================  ======  ===============================
 target (``sglang.srt.disaggregation.``)                                type    what kvguard does there
 =====================================================================  ======  ===============================
+``decode.DecodePreallocQueue._pre_alloc``                              AROUND  PD decode: record the row, the
+                                                                               transfer ticket
 ``decode.DecodePreallocQueue.__init__``                                AFTER   refuse a real backend without
                                                                                SGLang's deferred release
 ``decode.DecodeTransferQueue._commit_transfer_to_req``                 AFTER   stamp the transfer's ticket
@@ -42,11 +44,28 @@ from __future__ import annotations
 import logging
 import math
 
+from .runtime import guard_of
+
 log = logging.getLogger("kvguard.sglang")
 
 _DISAGG = "sglang.srt.disaggregation"
 _QUEUE = f"{_DISAGG}.decode.DecodeTransferQueue"
 _DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+
+
+def _around_pd_pre_alloc(original, queue, req, prefix_indices=None, prefix_len=None, total_prefix_len=None):
+    # PD decode: a transferred request gets its row and pages here, never through alloc_for_extend.
+    # NOTE: the row is recorded from what SGLang decided here (the decode tree's prefix match, the pages
+    # just allocated as the transfer's destination), with the allocation's own tags: the transfer
+    # writes those pages until commit, and its tags travel with the request (the transfer tags).
+    guard = guard_of(queue.token_to_kv_pool_allocator)
+    if guard is None:
+        return original(queue, req, prefix_indices, prefix_len, total_prefix_len)
+    guard._fresh = None
+    kv_loc = original(queue, req, prefix_indices, prefix_len, total_prefix_len)
+    prefix = prefix_len or 0
+    guard.record_prealloc(req, kv_loc, prefix, prefix if total_prefix_len is None else total_prefix_len)
+    return kv_loc
 
 
 def after_commit_transfer(result, queue, decode_req, *args, **kwargs):
@@ -148,6 +167,7 @@ def around_prefill_result(original, scheduler, batch, result, *args, **kwargs):
 
 
 HOOKS = {
+    "pd_pre_alloc": (f"{_DISAGG}.decode.DecodePreallocQueue._pre_alloc", _around_pd_pre_alloc, "AROUND"),
     "pd_prealloc_queue_init": (f"{_DISAGG}.decode.DecodePreallocQueue.__init__", after_prealloc_queue_init, "AFTER"),
     "pd_commit_transfer": (f"{_QUEUE}._commit_transfer_to_req", after_commit_transfer, "AFTER"),
     "pd_defer_release": (f"{_QUEUE}._defer_release", around_defer_release, "AROUND"),

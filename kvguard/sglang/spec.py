@@ -31,7 +31,7 @@ the violation message is read from the row after that rewrite, so it names the f
 the broken entry lies in ``[seq_lens, nxt)``; the request and the verdict are right, the position may not be. The
 verdict is
 read where SGLang's result processing reads the sampled ids, before any of the step's tokens are committed or
-streamed (``plugin._around_process_batch_result_decode``), and flagged requests are aborted through
+streamed (``batches._around_process_batch_result_decode``), and flagged requests are aborted through
 ``SGLangGuard.abort`` (SGLang's own per-request abort, kvguard's safe release). A spec batch that reached its result
 without its check (a worker class not hooked here) stops the scheduler (``SGLangGuard.resolve``).
 

@@ -338,10 +338,11 @@ def test_profiler_wraps_only_its_declared_methods_and_every_one_exists(tmp_path,
     from kvguard.tracker import TagTracker
 
     monkeypatch.delenv(timers.INNER_ENV, raising=False)
-    for cls in (SGLangGuard, PoolFollower, TagTracker):  # every method put back after the test
-        for attr, value in list(vars(cls).items()):
-            if callable(value):
-                monkeypatch.setattr(cls, attr, value)
+    for cls in (SGLangGuard, PoolFollower, TagTracker):  # every method put back after the test (its parts' too)
+        for part in cls.__mro__[:-1]:
+            for attr, value in list(vars(part).items()):
+                if callable(value):
+                    monkeypatch.setattr(part, attr, value)
     resolve, launch = SGLangGuard.resolve, SGLangGuard.launch
     prof = profiler._Prof(str(tmp_path / "t.json"))
     done = timers._time_methods(prof)
@@ -381,10 +382,17 @@ def test_profiler_entries_hold_every_method_sglang_reaches_outside_a_hook(monkey
             return fn(*a, **k)
         return wrapper
 
+    def parts(cls):  # the class and the kvguard.sglang parts it is made of (VerdictSide, ReleaseSide, ...)
+        for part in cls.__mro__:
+            if part is not cls and (part in classes.values() or not part.__module__.startswith("kvguard.sglang.")):
+                return
+            yield part
+
     for cls in classes.values():
-        for attr, value in list(vars(cls).items()):
-            if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod)):
-                monkeypatch.setattr(cls, attr, spy(f"{cls.__name__}.{attr}", value))
+        for part in parts(cls):
+            for attr, value in list(vars(part).items()):
+                if callable(value) and not attr.startswith("__") and not isinstance(value, (staticmethod, classmethod)):
+                    monkeypatch.setattr(part, attr, spy(f"{cls.__name__}.{attr}", value))
     tokens = list(range(100, 113))
     rig.publish(tokens)  # prefill, finish into the tree (checkpoint: the tree adopts its pages)
     batch = rig.running(9, 6)  # prefill, merge, a checked decode step

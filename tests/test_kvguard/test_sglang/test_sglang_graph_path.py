@@ -58,13 +58,13 @@ def step(rig, runner, batch, *, replay=True, before_replay=None):
     """One decode step on the graph path: SGLang's prepare_for_decode (kvguard's alloc_for_decode hook arms the
     check), the replay hook (the check's epoch), the captured check on the forward's buffers (``replay``), then
     kvguard's result hook around SGLang's processing. Returns (whether SGLang's processing ran, the processor)."""
-    from kvguard.sglang import plugin, runtime  # noqa: F401
+    from kvguard.sglang import batches, graphs, runtime  # noqa: F401
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     batch.prepare_for_decode()
     assert batch.forward_mode == ForwardMode.DECODE and batch.__dict__["_kvguard"].batch is batch  # armed only
     fb = types.SimpleNamespace(forward_mode=batch.forward_mode, batch_size=len(batch.reqs))
-    plugin._around_graph_execute(lambda *a, **k: None, runner, fb)
+    graphs._around_graph_execute(lambda *a, **k: None, runner, fb)
     pending = batch.__dict__["_kvguard"]
     assert pending.epoch is not None and pending.batch is None  # the replay took it
     words, cell, word = pending.clean  # what the verdict's hook compares: this epoch's cell, its clean word
@@ -75,7 +75,7 @@ def step(rig, runner, batch, *, replay=True, before_replay=None):
         rig.guard.graph.launch(batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, len(batch.reqs))
     processor, ran = Processor(rig.tree), []
     result = types.SimpleNamespace(copy_done=None, next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
-    plugin._around_process_batch_result_decode(lambda *a, **k: ran.append(True), processor, batch, result)
+    batches._around_process_batch_result_decode(lambda *a, **k: ran.append(True), processor, batch, result)
     rig.sample(batch)
     return bool(ran), processor
 

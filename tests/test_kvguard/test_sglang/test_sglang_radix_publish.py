@@ -48,7 +48,7 @@ def _stash(rig, req) -> None:
 
 def _prefill_result(batch) -> list:
     """kvguard's hook on process_batch_result_prefill (SGLang's own processing left out): the discarded requests."""
-    from kvguard.sglang.plugin import _around_process_batch_result_prefill
+    from kvguard.sglang.batches import _around_process_batch_result_prefill
 
     before = {id(r) for r in batch.reqs if r.__dict__.get("kvguard_aborted")}
     _around_process_batch_result_prefill(lambda *a, **k: None, None, batch, None)
@@ -57,7 +57,7 @@ def _prefill_result(batch) -> list:
 
 def _decode_result(rig, batch) -> None:
     """kvguard's hook on process_batch_result_decode (SGLang's own processing left out)."""
-    from kvguard.sglang.plugin import _around_process_batch_result_decode
+    from kvguard.sglang.batches import _around_process_batch_result_decode
 
     processor = SimpleNamespace(tree_cache=rig.tree, output_streamer=SimpleNamespace(
         stream_output=lambda reqs, *a, **k: None))

@@ -288,7 +288,7 @@ def test_allocator_subclass_is_covered_and_others_refused(make_rig):
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["launched-at-prepare", "armed-then-launched-at-mix"])
 def test_mixed_chunk_batch_carries_the_decode_parts_verdict(make_rig, deferred):
-    from kvguard.sglang.plugin import _flagged
+    from kvguard.sglang.runtime import _flagged
 
     rig = make_rig(16)
     guard = rig.install(registry=rig.registry)
@@ -429,7 +429,7 @@ def test_an_extend_batch_whose_writes_cannot_be_mapped_is_never_run_unguarded(ma
 def test_an_armed_decode_check_that_no_forward_launched_stops_the_scheduler(make_rig):
     """Deferred decode checks (launched by the forward that runs the batch): a step whose check was armed and
     never launched is never served; its verdict read stops the scheduler instead of passing it."""
-    from kvguard.sglang.plugin import _flagged
+    from kvguard.sglang.runtime import _flagged
 
     rig = make_rig(16)
     guard = rig.install(registry=rig.registry)
@@ -442,7 +442,7 @@ def test_an_armed_decode_check_that_no_forward_launched_stops_the_scheduler(make
 
 
 def test_an_armed_decode_check_launched_on_the_forwards_tensors_flags_exactly_the_broken_request(make_rig):
-    from kvguard.sglang.plugin import _flagged
+    from kvguard.sglang.runtime import _flagged
 
     rig = make_rig(16)
     guard = rig.install(registry=rig.registry)
@@ -462,7 +462,7 @@ def test_a_decode_batch_that_never_passed_alloc_for_decode_is_not_served(make_ri
     """Fail closed: the decode check is armed in kvguard's alloc_for_decode hook; a decode batch whose result
     arrives without having passed it (a path that prepares decode its own way) stops the scheduler, while one
     kvguard armed, or marked as holding nothing to check, is served."""
-    from kvguard.sglang.plugin import _around_process_batch_result_decode as process
+    from kvguard.sglang.batches import _around_process_batch_result_decode as process
 
     rig = make_rig(16)
     rig.install(registry=rig.registry)

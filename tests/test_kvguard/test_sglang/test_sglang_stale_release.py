@@ -134,7 +134,7 @@ def test_a_stale_row_in_a_mixed_chunk_step_is_aborted_before_the_step(make_rig, 
     assert len(rows) == len(set(rows)), f"two requests on one row in the mixed step: {rows}"
     assert victim not in batch.reqs and victim.finished() and s.streamed == [victim]
     assert "stale row" in victim.finished_reason.message
-    from kvguard.sglang.plugin import _flagged
+    from kvguard.sglang.runtime import _flagged
 
     assert _flagged(batch, None)[1] == []  # the owner's prefill and the other request's decode: clean
     rig.sample(batch)
