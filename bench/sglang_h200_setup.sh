@@ -16,4 +16,6 @@ if [ ! -d $S/sglang ]; then
   sed -i 's/        if not is_cuda():/        if True:  # no cutlass-dsl here/' $S/sglang/srt/layers/dual_gemm.py
 fi
 EP=$(PYTHONPATH=$PWD python3 -c 'from faultlab.sglang_gpu.common import EP_DIR; print(EP_DIR)') || return 1
-export PYTHONPATH=$PWD:$EP:$S${PYTHONPATH:+:$PYTHONPATH}
+# bench/gpu_shims: import-only stand-ins for kernel packages the bundle lacks (flash_mla: SGLang's EAGLE v2 worker
+# imports it on every CUDA start; the Triton backend never calls it).
+export PYTHONPATH=$PWD:$EP:$S:$PWD/bench/gpu_shims${PYTHONPATH:+:$PYTHONPATH}
