@@ -2,7 +2,7 @@
 # kvguard's cost on this round's paths, in a real SGLang 0.5.23 on one GPU (after `source bench/sglang_h200_setup.sh`):
 # kvguard check vs off (two engines alive at once, runs in ABBA order, A/A from the off engine's own pairs;
 # faultlab.sglang_gpu overhead), 8192 in / 1000 out, FP8 KV, page 16, c = 1 and 64, models in bench/models/.
-#   CONFIGS="eagle eagle_nooverlap swa mamba" TOTAL=570 bash bench/sglang_gpu_paths.sh
+#   CONFIGS="eagle eagle_nooverlap swa mamba" TOTAL=570 [REPS=1:2,64:2] [REPS_eagle=64:2] bash bench/sglang_gpu_paths.sh
 # Each engine gets mem_fraction_static MEM (0.42: two fit one 80 GB card). Raw results: $OUT/<config>/<config>.json; log: $OUT/run.log. A configuration that fails is logged and the next runs.
 M=$PWD/bench/models
 EAGLE='"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "'$M'/llama3.2-1b-eagle-draft",
@@ -21,10 +21,11 @@ n=${#CONFIGS[@]}
 for i in "${!CONFIGS[@]}"; do
   c=${CONFIGS[$i]}
   left=$(( ${TOTAL:-570} - SECONDS )); share=$(( left / (n - i) ))
+  r=REPS_$c; reps=${!r:-${REPS:-1:2,64:2}}  # REPS_<config> over REPS
   echo "== $c at ${SECONDS}s (budget ${share}s)" >> $L
   [ $share -lt 120 ] && { echo "== $c skipped: ${share}s left" >> $L; continue; }
   timeout $((share + 30)) python3 -m faultlab.sglang_gpu overhead --out $OUT/$c --name $c.json \
-    --model $M/${MODEL[$c]} --reps ${REPS:-1:2,64:2} --first-n 0 --mem-fraction ${MEM:-0.42} --budget $((share - 20)) \
+    --model $M/${MODEL[$c]} --reps $reps --first-n 0 --mem-fraction ${MEM:-0.42} --budget $((share - 20)) \
     --start-timeout 240 --overrides "${OVER[$c]}" 2>&1 | keep >> $L
   echo "== $c exit ${PIPESTATUS[0]}" >> $L
 done

@@ -19,6 +19,20 @@ from .tracker_transfers import TransferTagMethods
 from .tracker_violations import ViolationMethods
 
 
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 copy of host indices on ``device`` that never blocks the host.
+
+    NOTE: a pageable host->device copy waits for the stream's earlier work (under SGLang's overlap scheduler: the
+    previous step's whole forward); a pinned one is queued and returns (measured on an H100, EAGLE 1B c=1: one
+    such copy per reserving spec step made kvguard's host time p99 11 ms)."""
+    if index.device == device:
+        return index.to(torch.int64)
+    host = index.to(torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _as_index(value) -> int | None:
     """``value`` as an int index (Python, numpy or 0-d torch integers), or None (bools are not indices)."""
     if isinstance(value, bool):
@@ -157,7 +171,7 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
                                  f"outside 0..{size - 1} (the shape given to attach())")
         self._check_pages("record_many", pages)
         dev = self.expected.device
-        rows, cols = rows.to(dev, torch.int64), cols.to(dev, torch.int64)
+        rows, cols = _to_device(rows, dev), _to_device(cols, dev)
         with self.lock:
             tags = self.tags.gather(pages) if tags is None else tags.to(dev, torch.int64)
             pages32 = pages.to(dev, torch.int32)

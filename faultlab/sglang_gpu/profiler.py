@@ -289,7 +289,7 @@ def register_timing() -> None:
         name = "hook:" + target.rsplit(".", 1)[-1]
         decode = target.endswith(".alloc_for_decode")  # where a decode step starts (kvguard arms its check there)
         spec = target.endswith(".alloc_for_spec_decode")  # where a spec (verify) step starts
-        if profiler is not None and decode:
+        if profiler is not None and (decode or spec or target.endswith(".forward_batch_generation")):
             hook = profiled(profiler, hook)
         # The replay's epoch count (kvguard.sglang.runners) goes on in the "off" mode: the graphs' captured check
         # runs in both modes (on no rows when nothing is armed), and the host must keep counting it.
