@@ -255,12 +255,24 @@ PATHS: tuple[Path, ...] = (
     Path("pd_decode_kv_offload", REFUSED, "disaggregation_decode_enable_offload_kvcache=True",
          "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
          lambda f: f.decode_kv_offload),
-    Path("pd_decode_retraction_backup", REFUSED,
-         "disaggregation_mode=decode without disaggregation_decode_retraction_backup=none (SGLang infers a backup)",
-         "a retracted request's KV is copied to the host through its req_to_token row, unchecked since the step "
-         "before, and restored later into new pages, where its mapping is intact: a row broken in between would "
-         "restore another request's KV unseen (with 'none' a retracted PD request is turned away with HTTP 503)", "",
-         lambda f: f.disaggregation_mode == "decode" and f.decode_retraction_backup != "none"),
+    Path("pd_decode_retraction_backup", CHECKED,
+         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=cpu_tensor, or unset where SGLang "
+         "resolves it to cpu_tensor (an MLA or hybrid linear-attention model, decode context parallel)",
+         "a retracted request's row [0, seqlen - 1) is checked before its KV is copied out through it (broken: "
+         "nothing copied, the request aborted with kvguard's error, released safely), and its new row, recorded at "
+         "_pre_alloc with the tags of that allocation, is checked before the saved KV is written back through it "
+         "(kvguard.sglang.pd_backup)",
+         "tests/test_kvguard/test_sglang/test_sglang_pd_backup.py (SGLang's PD decode scheduling, retract and "
+         "resume, on its real pools)",
+         lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) == "cpu_tensor"),
+    Path("pd_decode_retraction_host_pool", REFUSED,
+         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=host_pool, or unset where SGLang "
+         "resolves it to host_pool (an MHA or SWA pool, the default for most models)",
+         "the same hooks check the row before the copy and before the restore, but SGLang's host pool registers its "
+         "buffer with cudaHostRegister and moves KV on device streams, so its clean backup and restore (and decode "
+         "host KV buffering, which needs it) are not shown here: set disaggregation_decode_retraction_backup="
+         "cpu_tensor (checked) or none (a retracted request is turned away with HTTP 503)", "",
+         lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) == "host_pool"),
     Path("flexkv", REFUSED, "enable_flexkv=True",
          "FlexKVRadixCache allocates slots in match_prefix / init_load_back, loads FlexKV's stored KV into them and "
          "hangs them on the tree as a new node, outside the tree checkpoint, so their expectations are not recorded",
@@ -352,6 +364,16 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         external_cache_linker=bool(_get(server_args, "enable_unified_cache_external_linker", False)),
         priority_scheduling=bool(_get(server_args, "enable_priority_scheduling", False)),
     )
+
+
+def retraction_backup(f: Facts) -> str:
+    """Where a PD decode server keeps a retracted request's KV: the launch line's choice, else what SGLang 0.5.23
+    resolves once the pools exist (``kv_cache_builder.resolve_decode_retraction_backup``): ``cpu_tensor`` for an MLA
+    pool, a recurrent-state model, decode context parallel or decode KV offload, else ``host_pool``. NOTE: read
+    at start from the facts; kvguard.sglang.pd_backup stops the scheduler if SGLang resolves ``host_pool`` anyway."""
+    if f.decode_retraction_backup is not None:
+        return f.decode_retraction_backup
+    return "cpu_tensor" if f.mla or f.hybrid_linear or f.dcp_size > 1 or f.decode_kv_offload else "host_pool"
 
 
 def coverage_table() -> str:

@@ -36,7 +36,10 @@ TINY_QWEN3_NEXT = {
 LINES = [
     ("plain", [], "llama", True, "extend_decode"),
     ("pd_decode_mooncake", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"],
-     "llama", False, "pd_decode_retraction_backup"),  # (mooncake itself is checked: pd_decode_mooncake)
+     "llama", False, "pd_decode_retraction_host_pool"),  # (mooncake itself is checked: pd_decode_mooncake)
+    ("pd_decode_mooncake_cpu_tensor", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+                                       "mooncake", "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+     "llama", True, "pd_decode_retraction_backup"),
     ("pd_prefill", ["--disaggregation-mode", "prefill"], "llama", True, "pd_prefill_mooncake"),
     ("pd_decode_nixl", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
                         "--disaggregation-decode-retraction-backup", "none"], "llama", False,
