@@ -46,3 +46,27 @@ def assert_clean(run: dict, label: str) -> dict:
     assert all(r["output_ids"] for r in ep["requests"])
     assert_balanced(run, ep)
     return ep
+
+
+def episodes_with_steps(episodes: list) -> dict:
+    """The engine's episode records by label, each with ``steps``: the decode steps it ran (SGLang's step count
+    at its idle check minus the previous episode's)."""
+    out, previous = {}, 0
+    for ep in episodes:
+        steps = (ep.get("idle_check") or {}).get("decode_steps")
+        ep["steps"] = None if steps is None else steps - previous
+        previous = steps if steps is not None else previous
+        out[ep["label"]] = ep
+    return out
+
+
+def engine_run(name: str, what: str, rc: int, result: dict | None, stderr: str) -> dict:
+    """One engine's run (``harness.spawn``'s answer) read back: its episodes, the episode the server died in (with
+    its error lines), its events; fails when the engine never started."""
+    if result is None or not result.get("started"):
+        pytest.fail(f"sglang.Engine ({what}) did not start (rc {rc}):\n{stderr[-4000:]}")
+    died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
+    deaths = {} if not died else {died.get("during"): f"server died (rc {rc}):\n" + "\n".join(
+        ln for ln in stderr.splitlines()[-40:] if "Error" in ln or "kvguard" in ln)}
+    return {"name": name, "episodes": episodes_with_steps(result["episodes"]), "deaths": deaths,
+            "events": result.get("events", []), "stderr": stderr, "startup_s": result["startup_s"]}

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .launch import I32, DirectLaunch, spec
-from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard  # also imported from here
+from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard, guard_writes  # also imported from here
 
 DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
@@ -98,17 +98,8 @@ def _tag_check_kernel(
         # "anything flagged?" in one cell the host reads directly (pinned memory): written only when a
         # program finds a bad entry, with this launch's stamp, so nothing has to clear it between launches.
         tl.store(flag_ptr, stamp, mask=count > 0)
-    # The write guard: any program that found a bad entry rewrites its request's write slots (several
-    # programs of one request may store the same value: no atomics needed).
-    if GUARD == 1:
-        tl.store(out_ptr + b, (count * 0 + scratch_slot).to(out_ptr.dtype.element_ty), mask=count > 0)
-    if GUARD == 2:
-        first = tl.load(out_starts_ptr + b).to(tl.int64)
-        length = tl.load(out_lens_ptr + b).to(tl.int64)
-        for s in range(0, length, BLOCK):
-            idx = s + tl.arange(0, BLOCK)
-            tl.store(out_ptr + first + idx, (idx * 0 + scratch_slot).to(out_ptr.dtype.element_ty),
-                     mask=(idx < length) & (count > 0))
+    # The write guard: any program that found a bad entry rewrites its request's write slots.
+    guard_writes(out_ptr, out_starts_ptr, out_lens_ptr, b, count, scratch_slot, GUARD, BLOCK)
 
 
 def block_sizes() -> list[int]:

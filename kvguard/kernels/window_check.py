@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .launch import I32, DirectLaunch, spec
-from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard
+from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard, guard_writes
 
 BLOCK = 64  # entries read per loop iteration of a program (a decode window of 128 tokens: two)
 
@@ -69,15 +69,7 @@ def _window_check_kernel(
     tl.store(cell, tl.load(cell) + count)
     if FLAG:
         tl.store(flag_ptr, stamp, mask=count > 0)
-    if GUARD == 1:
-        tl.store(out_ptr + b, (count * 0 + scratch_slot).to(out_ptr.dtype.element_ty), mask=count > 0)
-    if GUARD == 2:
-        first = tl.load(out_starts_ptr + b).to(tl.int64)
-        length = tl.load(out_lens_ptr + b).to(tl.int64)
-        for s2 in range(0, length, BLOCK):
-            idx = s2 + tl.arange(0, BLOCK)
-            tl.store(out_ptr + first + idx, (idx * 0 + scratch_slot).to(out_ptr.dtype.element_ty),
-                     mask=(idx < length) & (count > 0))
+    guard_writes(out_ptr, out_starts_ptr, out_lens_ptr, b, count, scratch_slot, GUARD, BLOCK)
 
 
 def _validate(table, index_map, pair, pair_tag, tags, table_rows, n_entries, q, verdict, guard, flag):

@@ -6,6 +6,8 @@ modes below); :func:`apply_guard` is the same guard in torch (the references', a
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -37,3 +39,20 @@ def apply_guard(guard: WriteGuard, flagged: torch.Tensor) -> None:
     for b in flagged.nonzero().flatten().tolist():
         first, length = int(guard.starts[b]), int(guard.lens[b])
         guard.slots[first:first + length] = guard.scratch
+
+
+@triton.jit
+def guard_writes(out_ptr, out_starts_ptr, out_lens_ptr, b, count, scratch_slot, GUARD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The guard inside a check kernel's program for batch entry ``b`` that found ``count`` bad entries: its write
+    slot (GUARD 1) or its segment of slots (GUARD 2) rewritten to ``scratch_slot``; programs of one request may
+    store the same value (no atomics needed)."""
+    if GUARD == 1:
+        tl.store(out_ptr + b, (count * 0 + scratch_slot).to(out_ptr.dtype.element_ty), mask=count > 0)
+    if GUARD == 2:
+        first = tl.load(out_starts_ptr + b).to(tl.int64)
+        length = tl.load(out_lens_ptr + b).to(tl.int64)
+        for s in range(0, length, BLOCK):
+            idx = s + tl.arange(0, BLOCK)
+            tl.store(out_ptr + first + idx, (idx * 0 + scratch_slot).to(out_ptr.dtype.element_ty),
+                     mask=(idx < length) & (count > 0))

@@ -68,7 +68,6 @@ class PoolFollower(PoolWraps, ReleaseSide):
         # row is not known is a violation (stale_flags): aborted, never run with its entries unchecked.
         self.known = torch.zeros(self.num_rows, dtype=torch.bool)
         self.known_version = 0  # bumped on every change of `known` (what a batch's cached rows depend on)
-        self._warned: set[str] = set()
         self._paged = hasattr(allocator, "_release_page_ids")
         self._holds: list[int] | None = None  # pages the request being released may free (releasing())
         self.retracting = False  # inside SGLang's release_req (kvguard.sglang.release): safe releases only
@@ -317,8 +316,3 @@ class PoolFollower(PoolWraps, ReleaseSide):
         log.error("kvguard: an allocation handed out %d pages where the rows took %d; their requests' new "
                   "entries expect nothing and are flagged", 0 if fresh is None else fresh.numel(), count)
         return torch.full((count,), UNSET, dtype=torch.int64, device=self.device)
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)

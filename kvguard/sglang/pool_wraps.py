@@ -19,6 +19,20 @@ import operator
 from typing import Callable
 
 
+def bump_on_release(allocator, bump: Callable) -> None:
+    """A paged allocator's ``_release_page_ids`` (where its pages go back to the free list) wrapped so that each
+    release's page ids are bumped (``bump(ids)``) before they are free: the KV allocator's tags, and the SWA
+    sub-allocator's (kvguard.sglang.swa)."""
+    release = allocator._release_page_ids
+
+    def _release_page_ids(*page_ids):
+        for ids in page_ids:
+            bump(ids)
+        return release(*page_ids)
+
+    allocator._release_page_ids = _release_page_ids
+
+
 class PoolWraps:
     """:class:`kvguard.sglang.follow.PoolFollower`'s wrappers on SGLang's allocator, tree and row pool."""
 
@@ -32,14 +46,7 @@ class PoolWraps:
             # (-> free_page_ids), free_group_end() (both its pending lists) and the need_sort staging
             # all end there. Bumping there counts each release once, and a free deferred by a free
             # group is bumped when the group ends, still before the next check.
-            release = a._release_page_ids
-
-            def _release_page_ids(*page_ids):
-                for ids in page_ids:
-                    self.tracker.on_free(ids)
-                return release(*page_ids)
-
-            a._release_page_ids = _release_page_ids
+            bump_on_release(a, lambda ids: self.tracker.on_free(ids))
             self._raw = {"free": a.free, "free_page_ids": a.free_page_ids}
             a.free = lambda free_index: self._raw["free"](self._filter(free_index, ps, slots=True))
             a.free_page_ids = lambda page_ids: self._raw["free_page_ids"](self._filter(page_ids, 1))

@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 from ..tags import UNSET, TagTable
+from .pool_wraps import bump_on_release
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -138,14 +139,7 @@ class SWASide:
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             setattr(a, name, self._alloc_wrapper(getattr(a, name)))
         if hasattr(a, "_release_page_ids"):  # paged: the one place pages go back (kvguard.sglang.follow)
-            release = a._release_page_ids
-
-            def _release_page_ids(*page_ids):
-                for ids in page_ids:
-                    self.tags.bump(ids)
-                return release(*page_ids)
-
-            a._release_page_ids = _release_page_ids
+            bump_on_release(a, lambda ids: self.tags.bump(ids))
             self._raw = {"free": a.free, "free_page_ids": a.free_page_ids}
         else:  # page size 1: free() releases at once (the composite never opens the sub-allocator's free group)
             free = a.free

@@ -30,7 +30,7 @@ import time
 
 import pytest
 from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_victims_aborted, by_index, episode
+from live_episodes import assert_victims_aborted, by_index, engine_run, episode
 
 from faultlab.sglang_live.families import NEMOTRON_H
 
@@ -59,19 +59,9 @@ def _run(tmp_path_factory, name: str, spec: dict, episodes: list) -> dict:
     t0 = time.time()
     rc, result, stderr = spawn({**spec, "episodes": episodes}, str(tmp_path_factory.mktemp(name)), name,
                                ENGINE_TIMEOUT)
-    if result is None or not result.get("started"):
-        pytest.fail(f"sglang.Engine (NemotronH) did not start (rc {rc}):\n{stderr[-4000:]}")
-    eps, previous = {}, 0
-    for ep in result["episodes"]:
-        steps = (ep.get("idle_check") or {}).get("decode_steps")
-        ep["steps"] = None if steps is None else steps - previous
-        previous = steps if steps is not None else previous
-        eps[ep["label"]] = ep
-    died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
-    deaths = {} if not died else {died.get("during"): f"server died (rc {rc}):\n" + "\n".join(
-        ln for ln in stderr.splitlines()[-40:] if "Error" in ln or "kvguard" in ln)}
-    run = {"name": name, "episodes": eps, "deaths": deaths, "events": result.get("events", [])}
-    print(f"{name}: startup {result['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
+    run = engine_run(name, "NemotronH", rc, result, stderr)
+    eps = run["episodes"]
+    print(f"{name}: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
     for label, ep in eps.items():
         errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
         print(f"  {label}: {ep['steps']} decode steps, victims {ep['victims']}, errors {errors}")

@@ -38,7 +38,7 @@ import time
 
 import pytest
 from live_episodes import (assert_balanced as _assert_balanced, assert_clean as _assert_clean,  # noqa: F401
-                           assert_victims_aborted, by_index as _by_index, episode as _episode)
+                           assert_victims_aborted, by_index as _by_index, episode as _episode, episodes_with_steps)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -89,12 +89,7 @@ def _run(tmp_path_factory, name: str, spec: dict, episodes: list[dict]) -> dict:
         if result is None or not result.get("started"):
             pytest.fail(f"{name}: sglang.Engine did not start (rc {rc}):\n{stderr}")
         runs.append({"rc": rc, "startup_s": result["startup_s"], "events": result.get("events", [])})
-        previous = 0
-        for ep in result["episodes"]:
-            steps = (ep.get("idle_check") or {}).get("decode_steps")
-            ep["steps"] = None if steps is None else steps - previous
-            previous = steps if steps is not None else previous
-            eps[ep["label"]] = ep
+        eps.update(episodes_with_steps(result["episodes"]))
         died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
         if not died:
             break

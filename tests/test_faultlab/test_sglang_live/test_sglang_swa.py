@@ -31,7 +31,7 @@ import time
 
 import pytest
 from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_victims_aborted, by_index, episode
+from live_episodes import assert_victims_aborted, by_index, engine_run, episode
 
 from faultlab.sglang_live.families import GPT_OSS
 from faultlab.sglang_live.plan import SWA_FAULTS
@@ -67,20 +67,9 @@ def hybrid(tmp_path_factory):
     t0 = time.time()
     rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("swa")), "swa",
                                ENGINE_TIMEOUT + 900 * SOAKS)
-    if result is None or not result.get("started"):
-        pytest.fail(f"sglang.Engine (GPT-OSS) did not start (rc {rc}):\n{stderr[-4000:]}")
-    eps, previous = {}, 0
-    for ep in result["episodes"]:
-        steps = (ep.get("idle_check") or {}).get("decode_steps")
-        ep["steps"] = None if steps is None else steps - previous
-        previous = steps if steps is not None else previous
-        eps[ep["label"]] = ep
-    died = result.get("died") or (None if rc == 0 else {"during": result.get("current")})
-    deaths = {} if not died else {died.get("during"): f"server died (rc {rc}):\n" + "\n".join(
-        ln for ln in stderr.splitlines()[-40:] if "Error" in ln or "kvguard" in ln)}
-    run = {"name": "gpt_oss", "episodes": eps, "deaths": deaths, "events": result.get("events", []),
-           "stderr": stderr}
-    print(f"gpt_oss: startup {result['startup_s']:.0f} s, {time.time() - t0:.0f} s in all; "
+    run = engine_run("gpt_oss", "GPT-OSS", rc, result, stderr)
+    eps = run["episodes"]
+    print(f"gpt_oss: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all; "
           + ", ".join(f"{label}: {ep['steps']} steps" for label, ep in eps.items()))
     return run
 
