@@ -19,7 +19,7 @@ from .tracker_transfers import TransferTagMethods
 from .tracker_violations import ViolationMethods
 
 
-def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+def copy_to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An int64 copy of host indices on ``device`` that never blocks the host.
 
     NOTE: a pageable host->device copy waits for the stream's earlier work (under SGLang's overlap scheduler: the
@@ -171,7 +171,7 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
                                  f"outside 0..{size - 1} (the shape given to attach())")
         self._check_pages("record_many", pages)
         dev = self.expected.device
-        rows, cols = _to_device(rows, dev), _to_device(cols, dev)
+        rows, cols = copy_to_device(rows, dev), copy_to_device(cols, dev)
         with self.lock:
             tags = self.tags.gather(pages) if tags is None else tags.to(dev, torch.int64)
             pages32 = pages.to(dev, torch.int32)

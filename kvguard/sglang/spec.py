@@ -43,9 +43,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels.tag_check import WriteGuard
+from ..tracker import copy_to_device
 from .guard import PADDING_ROW, SCRATCH_SLOT, Pending
 from .paths import SPEC_CHECKED as CHECKED_ALGORITHMS  # noqa: F401  (the registry holds the list; re-exported)
 
@@ -107,10 +109,18 @@ def around_alloc_for_spec_decode(original, tree_cache, req_to_token_pool, *, req
         batch.req_pool_indices = call["req_pool_indices"] = torch.where(
             guard.to_device(stale, torch.bool), PADDING_ROW, req_pool_indices)
     if num_needed_tokens > 0:
-        out = _allocated(guard, original, tree_cache, req_to_token_pool, call)
+        guard.defer_bump = guard.bump_in_record  # the reserve's pages are bumped by its record launch
+        try:
+            out = _allocated(guard, original, tree_cache, req_to_token_pool, call)
+            if any_stale or out is None or not record_reserve(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu):
+                guard.flush_alloc()  # (the general record below reads the new pages' tags)
+                record(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu, stale if any_stale else None)
+        finally:
+            guard.defer_bump = False
+            if guard._pending_alloc is not None:
+                guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     else:  # nothing to reserve this step (SGLang's call only updates lengths)
-        out = original(tree_cache, req_to_token_pool, **call)
-    record(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu, stale if any_stale else None)
+        original(tree_cache, req_to_token_pool, **call)
     if reqs:
         arm(guard, batch, nxt_kv_lens, nxt_kv_lens_cpu, stale, any_stale)
     return None
@@ -143,6 +153,35 @@ def _allocated(guard, original, tree_cache, req_to_token_pool, call) -> torch.Te
                   "nothing and are flagged", len(got))
         return None
     return got[0]
+
+
+def record_reserve(guard, batch, out, cur_cpu, nxt_cpu) -> bool:
+    """The common case of :func:`record` in one launch (False: not the common case, nothing done).
+
+    Every reserved token ``t`` of request ``i`` (positions ``cur_i..nxt_i - 1``, slots ``out`` in that order, what
+    ``assign_req_to_token_pool`` writes) is one entry of SGLang's decode recorder: an entry whose position starts a
+    page got the allocation's next page (batch order), which the same launch bumps (``kvguard.kernels.record``). The
+    entries' rows and positions are built on the host (numpy) and copied once, pinned (no device sync)."""
+    rows_, ps = guard.batch_rows(batch), guard.page_size
+    cur, nxt = cur_cpu.numpy().astype(np.int64), nxt_cpu.numpy().astype(np.int64)
+    n_tok = nxt - cur
+    total = int(n_tok.sum())
+    pending, fresh = guard._pending_alloc, guard._fresh
+    handed_out = pending[1] if pending is not None else 0 if fresh is None else fresh.numel()
+    n_new = int(((nxt + ps - 1) // ps - (cur + ps - 1) // ps).sum())  # reserved positions that start a page
+    if not rows_.all_known or out.numel() != total or n_new != handed_out:
+        return False  # (an allocation not what the rows took: the general record flags it, never guesses)
+    if n_new == 0:
+        return True  # the reserve stays inside each request's last page: nothing new to expect
+    entries = np.empty((2, total), dtype=np.int64)  # [rows; positions] of every reserved token
+    entries[0] = np.repeat(rows_.owner.numpy(), n_tok)
+    entries[1] = np.arange(total) + np.repeat(cur - (np.cumsum(n_tok) - n_tok), n_tok)
+    entries = copy_to_device(torch.from_numpy(entries), guard.device)
+    guard._pending_alloc = None
+    alloc, n_alloc = pending if pending is not None else (None, None)
+    guard.tracker.record_decode(entries[0], entries[1], out, fresh=None if alloc is not None else fresh,
+                                 alloc=alloc, n_alloc=n_alloc)
+    return True
 
 
 def record(guard, batch, out, cur_cpu, nxt_cpu, stale) -> None:
@@ -218,7 +257,7 @@ def fire(pending: Pending, seq_lens: torch.Tensor) -> None:
     rows = pending.table_rows
     # The step's writes (draft, verify, draft extend) land at the slots of entries [seq_lens, nxt): SGLang's own
     # base for them. A flagged request's entries there are rewritten to the padding slot by the check's launch.
-    write_guard = WriteGuard(table.view(-1), rows.long() * table.shape[1] + seq_lens, step.n_entries - seq_lens,
+    write_guard = WriteGuard(table.view(-1), torch.add(seq_lens, rows, alpha=table.shape[1]), step.n_entries - seq_lens,
                              scratch=SCRATCH_SLOT)
     pending.check = guard.tracker.check(ring.launch, pending.rows, step.n_entries, max_entries=step.max_entries,
                                         table_rows=rows, verdict=ring.verdict(slot, n, step.max_entries),
