@@ -6,6 +6,7 @@ bundle from ``.sgl/`` and puts the plugin entry points' folder on ``PYTHONPATH``
     python3 -m faultlab.sglang_gpu overhead --out $OUT    # kvguard check vs off vs off (A/A), c = 1, 8, 64
     python3 -m faultlab.sglang_gpu extras --out $OUT      # FP8 vs BF16 KV, first requests, INT4 vs BF16 weights
     python3 -m faultlab.sglang_gpu faults --out $OUT      # live faults (faultlab.sglang_live), kvguard on/off
+    python3 -m faultlab.sglang_gpu hicache --out $OUT     # HiCache write-back, eviction, load-back: off vs check
     python3 -m faultlab.sglang_gpu report                 # here: raw JSONs -> bench/results/sglang_h200*.json + png
 
 The same phases dry-run on a CPU with ``--cpu`` (tiny Llama, torch_native attention, short lengths).
@@ -29,6 +30,7 @@ import sys
 from faultlab.sglang_gpu.common import RESULTS, add_common
 from faultlab.sglang_gpu.extras import cmd_extras
 from faultlab.sglang_gpu.faults import cmd_fault_engine, cmd_faults
+from faultlab.sglang_gpu.hicache import cmd_hicache
 from faultlab.sglang_gpu.interleave import MIN_BLOCK
 from faultlab.sglang_gpu.overhead import MIN_WINDOW, cmd_overhead
 from faultlab.sglang_gpu.report import cmd_report
@@ -135,6 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=0)
     p.add_argument("--name", default="extras.json")
     p.set_defaults(func=cmd_extras)
+    p = sub.add_parser("hicache", help="HiCache write-back, eviction and load-back, kvguard off vs check")
+    add_common(p)
+    p.add_argument("--groups", type=_integer(2, None, "load-back needs earlier groups evicted by later ones"),
+                   default=10, help="request groups, one shared prefix each")
+    p.add_argument("--per-group", type=_integer(1, None, "a group needs a request"), default=2)
+    p.add_argument("--input-len", type=_integer(2, None, "a prompt"), default=2048)
+    p.add_argument("--shared", type=_integer(1, None, "the group's prefix"), default=2000)
+    p.add_argument("--output-len", type=_integer(1, None, "a token"), default=16)
+    p.add_argument("--max-total-tokens", type=_integer(256, None, "a device pool"), default=12288,
+                   help="the device pool: smaller than the groups' prefixes together, so they are evicted")
+    p.add_argument("--policy", choices=["write_back", "write_through", "write_through_selective"],
+                   default="write_back")
+    p.add_argument("--ratio", type=float, default=2.0, help="host pool size / device pool size")
+    p.add_argument("--name", default="hicache.json")
+    p.set_defaults(func=cmd_hicache)
     p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
     p.add_argument("--raw", nargs="+", default=[os.path.join(RESULTS, "sglang_h200_raw", d) for d in RAW_RUNS],
                    help="folders of raw runs, newest first: each part of the report comes from the first that has "
@@ -158,6 +175,9 @@ def check_outputs(a) -> None:
     if a.cmd == "report":
         check_output_dir("--results", a.results, make_folder=False)
         return
+    if a.cmd == "hicache" and a.shared >= a.input_len:
+        raise UsageError(f"--shared {a.shared} must be below --input-len {a.input_len} (a request's own tokens follow "
+                         "its group's prefix)")
     check_output_dir("--out", a.out)
     name = getattr(a, "name", None)
     if name is not None:

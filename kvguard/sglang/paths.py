@@ -36,6 +36,8 @@ class Facts:
     spec_topk: int = 1  # speculative_eagle_topk: 1 is chain drafting, more is tree drafting
     spec_multi_layer: bool = False  # enable_multi_layer_eagle (MultiLayerEagleWorkerV2)
     hierarchical_cache: bool = False
+    hicache_storage: bool = False  # hicache_storage_backend set (file, mooncake, 3fs, nixl, ...)
+    hicache_buffer_only: bool = False  # hicache_host_memory_mode=buffer_only
     hisparse: bool = False
     pp_size: int = 1
     tp_size: int = 1
@@ -175,9 +177,42 @@ PATHS: tuple[Path, ...] = (
     Path("speculative_multi_layer_eagle", REFUSED, "enable_multi_layer_eagle=True",
          "MultiLayerEagleWorkerV2 runs its own draft steps outside the worker kvguard hooks", "",
          lambda f: f.speculative_algorithm is not None and f.spec_multi_layer),
-    Path("hierarchical_cache", REFUSED, "enable_hierarchical_cache=True",
-         "pages loaded back from host are allocated without the tree's checkpoint, so their expectation "
-         "is not recorded (a healthy request could be aborted)", "", lambda f: f.hierarchical_cache),
+    Path("hierarchical_cache", CHECKED, "enable_hierarchical_cache=True with host memory only (no "
+         "hicache_storage_backend, hicache_host_memory_mode=cache; any write policy), on an aggregated server without "
+         "speculative decoding, for a model of MHA full-attention layers",
+         "a load-back's new device pages expect LOADING in the tree until their host-to-device copy is submitted "
+         "(HiCacheController.start_loading), then the tree adopts them with the tags of the allocation that made them "
+         "(HybridCacheController.load), so a request matching the loaded-back prefix expects exactly those pages; a "
+         "batch prepared before the submission (no layer event orders its read after the copy) is flagged; the "
+         "tree's evictions free device pages through the allocator's release kvguard wraps (tags bumped), so a "
+         "request still mapping one is flagged at its next check (kvguard.sglang.hicache)",
+         "tests/test_kvguard/test_sglang/test_sglang_hicache.py (SGLang's UnifiedRadixCache, HybridCacheController "
+         "and MHATokenToKVPoolHost, admission through its scheduler)", lambda f: f.hierarchical_cache),
+    Path("hierarchical_cache_storage", REFUSED, "enable_hierarchical_cache=True with hicache_storage_backend set "
+         "(file, mooncake, 3fs, nixl, ...)",
+         "pages prefetched from storage enter the tree from the controller's background threads (storage control "
+         "queues, insert_host) and are loaded back from there; no storage backend runs in the rig that shows the "
+         "host-memory path, so this one is not shown", "",
+         lambda f: f.hierarchical_cache and f.hicache_storage),
+    Path("hierarchical_cache_buffer_only", REFUSED, "enable_hierarchical_cache=True with "
+         "hicache_host_memory_mode=buffer_only",
+         "host memory is only a staging buffer between device and storage: admission and load-back go through the "
+         "buffer pipeline (BufferModePipeline.init_load_back), which is not shown", "",
+         lambda f: f.hierarchical_cache and f.hicache_buffer_only),
+    Path("hierarchical_cache_pd", REFUSED, "enable_hierarchical_cache=True with disaggregation_mode set",
+         "a PD prefill server sends a request's cached prefix KV early while a load-back may still write it "
+         "(maybe_send_cached_prefix_chunk), and a PD decode server's HiCache restore fills a gap of the preallocated "
+         "row (decode_hicache_mixin) that kvguard's PD record does not follow; neither is shown", "",
+         lambda f: f.hierarchical_cache and f.disaggregation_mode != "null"),
+    Path("hierarchical_cache_spec", REFUSED, "enable_hierarchical_cache=True with speculative_algorithm set",
+         "the draft model's KV is written back and loaded back beside the target's (HiCacheDraftPlan sidecar or "
+         "packed draft layers), which is not shown", "",
+         lambda f: f.hierarchical_cache and f.speculative_algorithm is not None),
+    Path("hierarchical_cache_model", REFUSED, "enable_hierarchical_cache=True for an MLA, sliding-window, "
+         "DeepSeek-V4 or hybrid linear-attention model",
+         "their host pools (MLA latent rows, SWA pages and the full-to-SWA mapping, mamba state slots) move state "
+         "through component transfers of their own; only the MHA host pool's load-back is shown", "",
+         lambda f: f.hierarchical_cache and (f.mla or f.hybrid_swa or f.deepseek_v4 or f.hybrid_linear)),
     Path("hisparse", REFUSED, "enable_hisparse=True", "host-resident logical indices are not followed", "",
          lambda f: f.hisparse),
     Path("sliding_window", CHECKED, "a hybrid sliding-window model on SGLang's paged SWA pools "
@@ -336,6 +371,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         spec_topk=int(_get(server_args, "speculative_eagle_topk", 1)),
         spec_multi_layer=bool(_get(server_args, "enable_multi_layer_eagle", False)),
         hierarchical_cache=bool(_get(server_args, "enable_hierarchical_cache", False)),
+        hicache_storage=_get(server_args, "hicache_storage_backend") not in (None, ""),
+        hicache_buffer_only=str(_get(server_args, "hicache_host_memory_mode", "cache")) == "buffer_only",
         hisparse=bool(_get(server_args, "enable_hisparse", False)),
         pp_size=int(_get(server_args, "pp_size", 1)),
         tp_size=int(_get(server_args, "tp_size", 1)),

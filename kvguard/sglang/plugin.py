@@ -58,6 +58,10 @@ target                                                             type    in   
 ``mem_cache.common.backup_kv_cache``, ``restore_kv_cache``,        AROUND  pd_      PD decode's retraction backup: the
 ``managers.schedule_batch.ScheduleBatch.retract_decode``                   backup   row checked before the copy out and
                                                                                     before the restore writes through it
+``...hybrid_cache_controller.HybridCacheController.load``,          AROUND  hicache  HiCache load-back: the new device
+``managers.cache_controller.HiCacheController.start_loading``                       pages expect LOADING until their copy
+                                                                                    is submitted, then the tree adopts
+                                                                                    them with their allocation's tags
 =================================================================  ======  =======  ==================================
 
 (:mod:`kvguard.sglang.swa`'s table is empty: the sliding-window side rides the allocator SGLang built and the main
@@ -84,7 +88,7 @@ from typing import Mapping
 from ..incidents import prepare_dir
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
-from . import batches, graphs, mamba, pd, pd_backup, runtime, spec, startup, swa
+from . import batches, graphs, hicache, mamba, pd, pd_backup, runtime, spec, startup, swa
 from .runtime import KVGuardStartupError, guard_of, stamp_transfer, transfer_ticket
 from .startup import _resolved, covered, guards, install, server_refusal
 
@@ -96,7 +100,7 @@ log = logging.getLogger("kvguard.sglang")
 _SRT = "sglang.srt"
 _SCHEDULER = f"{_SRT}.managers.scheduler.Scheduler"
 # The path modules, each with its HOOKS table: name -> (SGLang target, kvguard's hook, HookRegistry type).
-_PATHS = (startup, pd, pd_backup, batches, graphs, spec, mamba, swa)
+_PATHS = (startup, pd, pd_backup, batches, graphs, spec, mamba, swa, hicache)
 # The hooks no path module's table holds: the two install points (this module's own, below) and SGLang's releases
 # between steps and the stale-row abort (kvguard.sglang.release, kvguard.sglang.stale: hooks() names them).
 TARGETS = {

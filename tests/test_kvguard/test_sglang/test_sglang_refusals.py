@@ -35,7 +35,12 @@ REFUSED_FACTS = {
     "speculative_other_algorithms": (Facts(speculative_algorithm="NGRAM"), {"speculative_algorithm": "NGRAM"}),
     "speculative_tree_drafting": (Facts(speculative_algorithm="EAGLE", spec_topk=4), None),  # (needs a draft model)
     "speculative_multi_layer_eagle": (Facts(speculative_algorithm="EAGLE", spec_multi_layer=True), None),
-    "hierarchical_cache": (Facts(hierarchical_cache=True), {"enable_hierarchical_cache": True}),
+    "hierarchical_cache_storage": (Facts(hierarchical_cache=True, hicache_storage=True),
+                                   {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}),
+    "hierarchical_cache_buffer_only": (Facts(hierarchical_cache=True, hicache_buffer_only=True), None),
+    "hierarchical_cache_pd": (Facts(hierarchical_cache=True, disaggregation_mode="prefill"), None),
+    "hierarchical_cache_spec": (Facts(hierarchical_cache=True, speculative_algorithm="EAGLE"), None),
+    "hierarchical_cache_model": (Facts(hierarchical_cache=True, mla=True), None),
     "hisparse": (Facts(hisparse=True), None),
     "sliding_window_own_pool": (Facts(hybrid_swa=True, swa_compress=True), None),  # (Gemma4 / MiMo: not on this CPU)
     "sliding_window_spec_pd": (Facts(hybrid_swa=True, speculative_algorithm="EAGLE"), None),
@@ -88,6 +93,7 @@ def test_a_refused_path_is_named_in_the_refusal(name):
 
 def test_the_default_configuration_is_served():
     assert refusal(Facts()) is None
+    assert refusal(Facts(hierarchical_cache=True)) is None  # HiCache on host memory: checked
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="fake", decode_retraction_backup="none",
                          tp_size=2, mla=True, mixed_chunk=True, overlap=False)) is None
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", decode_retraction_backup="none",
