@@ -7,7 +7,7 @@ in ``configs/hybrid_arch.py`` that test the config's class); a sliding-window hy
 ``ModelConfig.is_hybrid_swa``; MLA because ``ModelConfig.attention_arch`` is ``AttentionArch.MLA`` (an
 ``IntEnum``: its ``str()`` is its number, so it is compared by name here). kvguard asks the same questions.
 
-:data:`MODEL_FACTS` names the :class:`kvguard.sglang.paths.Facts` fields that come from the model, not from
+:data:`MODEL_FACTS` names the :class:`kvguard.sglang.facts.Facts` fields that come from the model, not from
 the server arguments: without the model's config they are unknown (the dry run says so; a scheduler decides
 them again at install, on the model it loaded, and on the pools it built: :func:`pool_refusal`).
 
