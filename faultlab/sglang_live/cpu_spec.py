@@ -44,4 +44,12 @@ def install() -> bool:
     # Both functions SGLang's XPU branch calls exist in this SGLang (checked, not assumed).
     assert callable(spec_tree.sgl_build_tree_kernel_triton) and callable(spec_tree.verify_tree_greedy_triton)
     spec_tree._is_xpu = True
+    # NOTE: SGLang's DeepSeek models (the NEXTN / MTP draft) call torch.cuda.synchronize() unconditionally when the
+    # spec worker shares the target's embedding and head with the draft (DeepseekV2ForCausalLM.set_embed_and_head);
+    # on a host without CUDA there is no stream to wait for, and the call would only fail CUDA's lazy init.
+    torch.cuda.synchronize = _no_device_to_wait_for
     return True
+
+
+def _no_device_to_wait_for(device=None) -> None:
+    """``torch.cuda.synchronize`` on a host without CUDA (installed by :func:`install` only there)."""

@@ -54,6 +54,20 @@ TINY_LLAMA = {
     "rope_theta": 10000.0, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     "tie_word_embeddings": False, "hidden_act": "silu",
 }
+# A tiny DeepSeek-V2 (multi-head latent attention, MoE) over TINY_LLAMA: write_model(folder, TINY_MLA)
+TINY_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_key_value_heads": 4,
+    "kv_lora_rank": 256, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+    "first_k_dense_replace": 2, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax", "attention_bias": False,
+    "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 1.0, "original_max_position_embeddings": 512,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+# The same as a DeepSeek-V3 with one MTP layer: SGLang's NEXTN draft (DeepseekV3ForCausalLMNextN) is the target's own
+# checkpoint (speculative_draft_model_path resolves to the model path)
+TINY_DEEPSEEK_MTP = {**TINY_MLA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                     "num_nextn_predict_layers": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 WORKLOAD = {"n1": 4, "n2": 2, "prefix": 40, "new1": 32, "new2": 12, "seed": 0, "wave2": "armed"}
 # when wave 2 is sent: once the injector armed; once wave 1 finished; once wave 1 finished and the engine's
 # cache was flushed (SGLang's flush_cache: the allocator's free list restarts sorted, so wave 2 gets the

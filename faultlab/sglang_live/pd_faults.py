@@ -1,13 +1,13 @@
-"""PD over Mooncake: a send held in flight, and a prefill-side mapping fault (test environment only).
+"""PD over Mooncake or NIXL: a send held in flight, and a prefill-side mapping fault (test environment only).
 
 Installed by faultlab's SGLang plugin (:func:`faultlab.sglang_live.inject.register`) in every SGLang process:
 
 ``FAULTLAB_SGLANG_PD_SLOW_SEND=<trigger path>:<seconds>``
-    AROUND SGLang's ``MooncakeKVManager.send_kvcache`` (the prefill transfer worker's write of one chunk into the
-    decode server's pages): a send that starts while the trigger file exists removes it and waits ``<seconds>``
-    before SGLang's own send. A driver creates the file right before it sends one request, so that request's
-    transfer is in flight long enough for the driver to abort it on the decode server: the write then lands
-    after the abort, as a late write does.
+    AROUND SGLang's ``MooncakeKVManager.send_kvcache`` and ``NixlKVManager.send_kvcache`` (the prefill transfer
+    worker's write of one chunk into the decode server's pages; only the pair's backend runs): a send that starts
+    while the trigger file exists removes it and waits ``<seconds>`` before SGLang's own send. A driver creates
+    the file right before it sends one request, so that request's transfer is in flight long enough for the
+    driver to abort it on the decode server: the write then lands after the abort, as a late write does.
 ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT=<rid prefix>``
     ``prefill_index_shift`` on the prefill server: AFTER ``ScheduleBatch.prepare_for_extend`` (SGLang wrote the
     extend's row entries; kvguard's own AFTER hook, registered after faultlab's, checks them next), each request
@@ -21,7 +21,8 @@ import os
 import time
 
 SLOW_ENV, SHIFT_ENV = "FAULTLAB_SGLANG_PD_SLOW_SEND", "FAULTLAB_SGLANG_PD_PREFILL_SHIFT"
-SEND = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
+SENDS = ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache",
+         "sglang.srt.disaggregation.nixl.conn.NixlKVManager.send_kvcache")
 EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 
 
@@ -29,7 +30,9 @@ def install(env) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if env.get(SLOW_ENV):
-        HookRegistry.register(SEND, _slow_send(env[SLOW_ENV]), HookType.AROUND)
+        hook = _slow_send(env[SLOW_ENV])
+        for send in SENDS:
+            HookRegistry.register(send, hook, HookType.AROUND)
     if env.get(SHIFT_ENV):
         HookRegistry.register(EXTEND, _prefill_shift(env[SHIFT_ENV]), HookType.AFTER)
 

@@ -154,11 +154,13 @@ class Role:
 class Pair:
     """A prefill and a decode server; ``generate`` sends each request to both, as SGLang's router does."""
 
-    def __init__(self, folder: str, prefill_env: dict, decode_env: dict, base_port: int = 31000):
+    def __init__(self, folder: str, prefill_env: dict, decode_env: dict, base_port: int = 31000,
+                 engine: dict | None = None):
+        """``engine``: sglang.Engine settings of both servers (e.g. the transfer backend; Mooncake by default)."""
         from .harness import write_model
 
         model = write_model(os.path.join(folder, "model"))
-        common = {"model": model, "bootstrap_port": base_port + 998}
+        common = {"model": model, "bootstrap_port": base_port + 998, "engine": engine or {}}
         self.prefill = Role("prefill", {**common, "port": base_port, "env": prefill_env}, folder)
         # (the decode server logs warnings: SGLang's deferred-release timeout and kvguard's hold are warnings)
         self.decode = Role("decode", {**common, "port": base_port + 2000, "env": decode_env, "log_level": "warning"},

@@ -10,7 +10,8 @@ engines with :func:`engine_spec`.
 
 What makes SGLang's spec path run on a plain CPU (tests only): SGLang's Triton attention backend and its spec tree
 ops under Triton's interpreter (``TRITON_INTERPRET=1``; :mod:`.cpu_spec`), CUDA graphs off, a one-layer dummy EAGLE
-draft (``LlamaForCausalLMEagle``; ``LlamaForCausalLMEagle3`` needs ``draft_vocab_size``).
+draft (``LlamaForCausalLMEagle``; ``LlamaForCausalLMEagle3`` needs ``draft_vocab_size``); NEXTN (MTP) on a tiny
+DeepSeek-V3 with one MTP layer (multi-head latent attention), its own draft.
 """
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ import json
 import os
 import sys
 
-from .harness import spawn, write_model
+from .harness import TINY_DEEPSEEK_MTP, spawn, write_model
 from .plan import ENV_CPU_SPEC
 
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 DRAFTS = {"EAGLE": {"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1},
           "EAGLE3": {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 1000},
           # the target's own config: the same dummy weights (seeded by name), so its drafts are accepted
-          "STANDALONE": {}}
+          "STANDALONE": {},
+          # no draft of its own: the target is a DeepSeek-V3 with an MTP layer (MLA), which SGLang drafts with
+          # (NEXTN resolves to EAGLE, the draft path to the model's own, its architecture to ...NextN)
+          "NEXTN": None}
+TARGETS = {"NEXTN": TINY_DEEPSEEK_MTP}  # a target other than the tiny Llama
 WORKLOAD = {"n1": 3, "n2": 0, "prefix": 24, "new1": 12, "new2": 4}  # a test episode: few requests, few steps
 SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~100 verify steps of 8 requests each
 
@@ -34,13 +39,15 @@ SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~10
 def engine_spec(folder: str, *, overlap: bool, mode: str, episodes: list, algorithm: str = "EAGLE",
                 workload: dict | None = None) -> dict:
     """The harness spec of a CPU EAGLE engine (page size 1, chain 3/1/4), its draft model written into ``folder``."""
-    draft = write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm])
+    draft = None if DRAFTS[algorithm] is None else \
+        write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm])
     return {"device": "cpu", "page_size": 1, "overlap": overlap, "attention_backend": "triton",
             "env": {"KVGUARD_MODE": mode, "TRITON_INTERPRET": "1", ENV_CPU_SPEC: "1"},
-            "workload": {**WORKLOAD, **(workload or {})},
+            "workload": {**WORKLOAD, **(workload or {})}, "model": TARGETS.get(algorithm),
             # NOTE: one KV split per request in the Triton decode kernel: fewer interpreted programs (a speed knob)
-            "engine": {"speculative_algorithm": algorithm, "speculative_draft_model_path": draft, **CHAIN,
-                       "disable_cuda_graph": True, "triton_attention_num_kv_splits": 1},
+            "engine": {"speculative_algorithm": algorithm, **CHAIN, "disable_cuda_graph": True,
+                       "triton_attention_num_kv_splits": 1,
+                       **({} if draft is None else {"speculative_draft_model_path": draft})},
             "episodes": episodes}
 
 

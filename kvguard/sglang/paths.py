@@ -39,11 +39,11 @@ class Path:
 
 _LIVE = "tests/test_faultlab/test_sglang_live/test_sglang_engine.py"
 _PATHS_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_paths.py"
-_PD_MOONCAKE_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_pd_mooncake.py"
+_PD_TRANSFER_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_pd_transfer.py"  # Mooncake and NIXL pairs
 _STALE_RELEASE = "tests/test_kvguard/test_sglang/test_sglang_stale_release.py"
 _SPEC = "tests/test_faultlab/test_sglang_live/test_sglang_spec.py"
 _MAMBA = "tests/test_faultlab/test_sglang_live/test_sglang_mamba.py"
-SPEC_CHECKED = ("EAGLE", "EAGLE3", "STANDALONE")  # speculative algorithms kvguard checks (kvguard/sglang/spec.py)
+SPEC_CHECKED = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")  # speculative algorithms kvguard checks (kvguard/sglang/spec.py)
 
 
 def _spec_checked(f: "Facts") -> bool:
@@ -96,28 +96,42 @@ PATHS: tuple[Path, ...] = (
          "rows recorded at DecodePreallocQueue._pre_alloc; the transfer's ticket stamped at commit (Mooncake "
          "reports Success only after every write of the room returned), so a page that changed hands while its "
          "transfer ran fails its next check; an aborted transfer's destination is held until every prefill rank "
-         "acked its drain, never released on SGLang's timeout (kvguard.sglang.pd)", _PD_MOONCAKE_TEST,
+         "acked its drain, never released on SGLang's timeout (kvguard.sglang.pd)", _PD_TRANSFER_TEST,
          lambda f: f.disaggregation_mode == "decode" and f.transfer_backend == "mooncake"),
+    Path("pd_decode_nixl", CHECKED, "disaggregation_mode=decode, transfer backend nixl",
+         "as pd_decode_mooncake (kvguard.sglang.pd): SGLang's NIXL worker sends a room's Success only after every "
+         "WRITE handle of it (KV and aux) read DONE, which NIXL's UCX backend reports once its endpoint flush "
+         "completed (every write landed), so the ticket stamped at commit is current; an aborted transfer's "
+         "destination is held until every prefill rank acked its drain (SGLang's common deferred release, which "
+         "NIXL declares), never released on SGLang's timeout", _PD_TRANSFER_TEST,
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend == "nixl"),
     Path("pd_decode_transfer_backend", REFUSED, "disaggregation_mode=decode with a transfer backend other than "
-         "fake or mooncake (nixl, mori, ascend)",
-         "kvguard's hold of an aborted transfer's destination and its commit stamp are shown on Mooncake only: "
-         "no test runs the other backends here, so a late write from an earlier transfer into a reallocated "
+         "fake, mooncake or nixl (mori, ascend)",
+         "kvguard's hold of an aborted transfer's destination and its commit stamp are shown on Mooncake and NIXL "
+         "only: no test runs the other backends here, so a late write from an earlier transfer into a reallocated "
          "page is not shown caught there", "",
-         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend not in ("fake", "mooncake")),
+         lambda f: f.disaggregation_mode == "decode" and f.transfer_backend not in ("fake", "mooncake", "nixl")),
     Path("pd_prefill_mooncake", CHECKED, "disaggregation_mode=prefill, transfer backend mooncake",
          "extend batches recorded and checked like any other; the verdict is read before the batch's last chunk "
          "is queued for sending (process_batch_result_disagg_prefill), a flagged request aborted through SGLang's "
          "discard path, its sender failed: the decode server commits a transfer only on the prefill's Success, "
          "which the Mooncake worker sends after the room's last write and only for a room not failed, so KV sent "
          "early (cached prefix) or read from pages freed mid-send (released once the room failed) is never "
-         "committed (kvguard.sglang.pd)", _PD_MOONCAKE_TEST,
+         "committed (kvguard.sglang.pd)", _PD_TRANSFER_TEST,
          lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend == "mooncake"),
-    Path("pd_prefill", REFUSED, "disaggregation_mode=prefill with a transfer backend other than mooncake",
-         "the verdict-before-send order and the Success-only-for-a-live-room order are shown on Mooncake only: no "
-         "test runs the other backends here", "",
-         lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend != "mooncake"),
-    Path("speculative_decoding", CHECKED, "speculative_algorithm EAGLE, EAGLE3 or STANDALONE with "
-         "speculative_eagle_topk 1 (chain drafting; SGLang's spec v2 worker, overlap on or off)",
+    Path("pd_prefill_nixl", CHECKED, "disaggregation_mode=prefill, transfer backend nixl",
+         "as pd_prefill_mooncake (kvguard.sglang.pd): the verdict is read before the batch's last chunk is queued; "
+         "SGLang's NIXL worker skips a chunk of a failed room and turns a Success into Failed for a room failed "
+         "meanwhile (CommonKVManager.conclude_transfer, shared with Mooncake), and sends Success only after every "
+         "handle of the room read DONE", _PD_TRANSFER_TEST,
+         lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend == "nixl"),
+    Path("pd_prefill", REFUSED, "disaggregation_mode=prefill with a transfer backend other than mooncake or nixl",
+         "the verdict-before-send order and the Success-only-for-a-live-room order are shown on Mooncake and NIXL "
+         "only: no test runs the other backends here", "",
+         lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend not in ("mooncake", "nixl")),
+    Path("speculative_decoding", CHECKED, "speculative_algorithm EAGLE, EAGLE3, NEXTN (MTP: SGLang resolves it to "
+         "EAGLE, the target's own MTP layer as the draft) or STANDALONE with speculative_eagle_topk 1 (chain drafting; "
+         "SGLang's spec v2 worker, overlap on or off)",
          "the region alloc_for_spec_decode reserves past the committed length is recorded from the allocator's output "
          "with its tags; one batched check of every entry [0, nxt) of each row before the step's first forward "
          "covers the draft, verify and draft-extend reads of both pools (the draft pool shares slot ids), and "
@@ -127,11 +141,10 @@ PATHS: tuple[Path, ...] = (
          "tree drafting: with page_size > 1 each branch gets its own page-aligned region and the prefix tail is "
          "copied into it, and the accepted path's KV is moved after verify; kvguard records the chain layout only",
          "", lambda f: f.speculative_algorithm is not None and f.spec_topk > 1),
-    Path("speculative_other_algorithms", REFUSED, "speculative_algorithm NGRAM, NEXTN, DFLASH, UNO, DSPARK, "
-         "FROZEN_KV_MTP or a plugin's", "their workers prepare and verify steps outside the EAGLE v2 worker kvguard "
-         "hooks (NGRAM does not run on a plain CPU: see docs/sglang.md). NEXTN (MTP) needs a DeepSeek-style target "
-         "with an MTP layer, not run here: refused as named; where SGLang has already resolved it to its alias EAGLE, "
-         "it runs the EAGLE v2 worker and is checked as EAGLE", "",
+    Path("speculative_other_algorithms", REFUSED, "speculative_algorithm NGRAM, DFLASH, UNO, DSPARK, "
+         "FROZEN_KV_MTP (also what SGLang makes of NEXTN or EAGLE with a Gemma4 assistant draft) or a plugin's",
+         "their workers prepare and verify steps outside the EAGLE v2 worker kvguard hooks (NGRAM does not run on a "
+         "plain CPU: see docs/sglang.md)", "",
          lambda f: f.speculative_algorithm is not None and f.speculative_algorithm.upper() not in SPEC_CHECKED),
     Path("speculative_multi_layer_eagle", REFUSED, "enable_multi_layer_eagle=True",
          "MultiLayerEagleWorkerV2 runs its own draft steps outside the worker kvguard hooks", "",

@@ -40,6 +40,8 @@ import pytest
 from live_episodes import (assert_balanced as _assert_balanced, assert_clean as _assert_clean,  # noqa: F401
                            assert_victims_aborted, by_index as _by_index, episode as _episode, episodes_with_steps)
 
+from faultlab.sglang_live.harness import TINY_MLA
+
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
 SEED = 1
@@ -52,15 +54,6 @@ PD_SOAK = {"n1": 8, "n2": 4, "new1": 200, "new2": 150, "wave2": "finished"}
 PD_SOAKS = int(os.environ.get("FAULTLAB_PD_SOAK", "0"))  # ~550 decode steps each (PD decode admits 7 of wave 1's 8
 # at once: it reserves decode room)
 FLUSHED = {"wave2": "flushed"}
-MLA_MODEL = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_key_value_heads": 4,
-    "kv_lora_rank": 256, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
-    "first_k_dense_replace": 2, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax", "attention_bias": False,
-    "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 1.0, "original_max_position_embeddings": 512,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-}
 CHUNKED = {"chunked_prefill_size": 32}
 # prompts longer than one chunk: wave 1 43-60 tokens, wave 2 73-80
 CHUNK_WORKLOAD = {"new1": 24, "new2": 10}
@@ -191,7 +184,7 @@ def mixed(tmp_path_factory):
 def mla(tmp_path_factory):
     return _engine(tmp_path_factory, "mla", {"prefill_attention_backend": "triton",
                                              "decode_attention_backend": "torch_native"},
-                   model=MLA_MODEL, env={"TRITON_INTERPRET": "1"})
+                   model=TINY_MLA, env={"TRITON_INTERPRET": "1"})
 
 
 # ------------------------------------------------------------------------------------------------

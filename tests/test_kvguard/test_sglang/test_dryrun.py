@@ -42,6 +42,8 @@ LINES = [
      "llama", True, "pd_decode_retraction_backup"),
     ("pd_prefill", ["--disaggregation-mode", "prefill"], "llama", True, "pd_prefill_mooncake"),
     ("pd_decode_nixl", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
+                        "--disaggregation-decode-retraction-backup", "none"], "llama", True, "pd_decode_nixl"),
+    ("pd_decode_mori", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori",
                         "--disaggregation-decode-retraction-backup", "none"], "llama", False,
      "pd_decode_transfer_backend"),
     ("dp_attention", ["--enable-dp-attention", "--dp-size", "8", "--tp-size", "8"], "llama", False, "dp_attention"),
@@ -91,7 +93,7 @@ def commands(models, tmp_path_factory):
     if script.exists():
         started["check_refused"] = subprocess.Popen(
             [str(script), "check", "--model-path", models["llama"], "--disaggregation-mode", "prefill",
-             "--disaggregation-transfer-backend", "nixl"],
+             "--disaggregation-transfer-backend", "mori"],
             cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
 

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # HiSparse needs a DSA model, PD decode's KV offload a HiCache storage backend, the
 # rest a model of that kind: their Facts are checked here, and their schedulers refuse at install).
 REFUSED_FACTS = {
-    # (NIXL is not installed here: a meta-package over its CUDA builds, nixl-cu12 / nixl-cu13)
-    "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode", transfer_backend="nixl"), None),
-    "pd_prefill": (Facts(disaggregation_mode="prefill", transfer_backend="nixl"), None),
+    # (Mori is not installed here)
+    "pd_decode_transfer_backend": (Facts(disaggregation_mode="decode", transfer_backend="mori"), None),
+    "pd_prefill": (Facts(disaggregation_mode="prefill", transfer_backend="mori"), None),
     "speculative_other_algorithms": (Facts(speculative_algorithm="NGRAM"), {"speculative_algorithm": "NGRAM"}),
     "speculative_tree_drafting": (Facts(speculative_algorithm="EAGLE", spec_topk=4), None),  # (needs a draft model)
     "speculative_multi_layer_eagle": (Facts(speculative_algorithm="EAGLE", spec_multi_layer=True), None),

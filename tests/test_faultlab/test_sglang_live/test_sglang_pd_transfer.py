@@ -1,18 +1,25 @@
-"""PD disaggregation over SGLang's real Mooncake transfer engine (TCP, host memory), on the CPU.
+"""PD disaggregation over SGLang's real transfer backends, Mooncake and NIXL (host memory), on the CPU.
 
-kvguard's path registry (kvguard/sglang/paths.py) names this file as the evidence for ``pd_decode_mooncake`` and
-``pd_prefill_mooncake``. One prefill and one decode ``sglang.Engine``, each in a process of its own
-(faultlab/sglang_live/pd_pair.py), every request sent to both with one bootstrap room, as SGLang's router does (a
-request the prefill server fails is then aborted on the decode server); SGLang's bootstrap server runs in the
-prefill server, the KV moves through Mooncake's ``TransferEngine`` (``mooncake-transfer-engine-non-cuda``,
-``MOONCAKE_PROTOCOL=tcp``). Both servers run ``KVGUARD_MODE=check``. The decode server's deferred-release timeout is
-1 s (SGLang's default: 30 s), so without kvguard an aborted transfer's destination would go back to the allocator
-while its held write (faultlab/sglang_live/pd_faults.py) is still on its way.
+kvguard's path registry (kvguard/sglang/paths.py) names this file as the evidence for ``pd_decode_mooncake``,
+``pd_prefill_mooncake``, ``pd_decode_nixl`` and ``pd_prefill_nixl``. Per backend, one prefill and one decode
+``sglang.Engine``, each in a process of its own (faultlab/sglang_live/pd_pair.py), every request sent to both with
+one bootstrap room, as SGLang's router does (a request the prefill server fails is then aborted on the decode
+server); SGLang's bootstrap server runs in the prefill server. The KV moves through Mooncake's ``TransferEngine``
+(``mooncake-transfer-engine-non-cuda``, ``MOONCAKE_PROTOCOL=tcp``) or NIXL's UCX backend (``nixl`` 1.5.1; on a CPU
+device faultlab's shim labels SGLang's host KV buffers ``DRAM``, where SGLang would say ``VRAM`` and UCX would refuse
+them: faultlab/sglang_live/cpu_pd.py). Both servers run ``KVGUARD_MODE=check``. The decode server's deferred-release
+timeout is 1 s (SGLang's default: 30 s), so without kvguard an aborted transfer's destination would go back to the
+allocator while its held write (faultlab/sglang_live/pd_faults.py) is still on its way.
+
+What both backends' workers share, and kvguard.sglang.pd relies on: the decode side learns ``KVPoll.Success`` only
+from the prefill's status message, sent (``CommonKVManager.conclude_transfer``) after every write of the room
+returned (Mooncake) or read DONE (NIXL: its UCX backend reports DONE once its endpoint flush completed), and only for
+a room not failed; an aborted room's ack is sent once its transfer worker drained it.
 
 Episodes, in order: fault-free; ``prefill_index_shift`` on the prefill server; ``swapped_entries`` on the decode
 server (the injector's victims are ground truth); a transfer aborted on the decode server while the prefill holds
-its send (the write lands after the abort) with three requests decoding meanwhile; fault-free again. Skipped only
-where the Mooncake engine cannot import (its wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
+its send (the write lands after the abort) with three requests decoding meanwhile; fault-free again. A backend is
+skipped only where it cannot import (Mooncake: its wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
 """
 from __future__ import annotations
 
@@ -23,14 +30,14 @@ import time
 
 import pytest
 
-mooncake = pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (mooncake-transfer-engine-"
-                                                         "non-cuda) does not import here")
-
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
 NEW = 12
 HOLD_S = 5.0
 LONG = 120  # the running requests decode through the hold
+# backend: (the module it needs, the pair's base port, its engine settings)
+BACKENDS = {"mooncake": ("mooncake.engine", 31000, {}),
+            "nixl": ("nixl._api", 35000, {"disaggregation_transfer_backend": "nixl"})}
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -38,18 +45,20 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(24 + 3 * i)] for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def pd(request, tmp_path_factory):
     from faultlab.sglang_live.pd_pair import Pair
 
-    folder = str(tmp_path_factory.mktemp("pd_mooncake"))
+    module, port, engine = BACKENDS[request.param]
+    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
+    folder = str(tmp_path_factory.mktemp(f"pd_{request.param}"))
     trigger = os.path.join(folder, "hold-next-send")
     plan = '[{"fault": "swapped_entries", "seed": 1, "rid_prefix": "swap-a", "min_candidates": 2, "step": 3, ' \
            '"label": "swap"}]'
     pair = Pair(folder, {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{HOLD_S}",
                          "FAULTLAB_SGLANG_PD_PREFILL_SHIFT": "pshift-"},
                 {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_FAULTS": plan,
-                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"})
+                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}, base_port=port, engine=engine)
     prompts = _prompts(5)  # the last one is the prefill fault's own (a prompt seen before is a radix hit there)
     out = {}
     try:
@@ -93,14 +102,14 @@ def pd(tmp_path_factory):
     return out
 
 
-def test_pd_mooncake_clean_requests_are_served(pd):
+def test_pd_clean_requests_are_served(pd):
     clean = pd["clean"]
     assert all(r["error"] is None and len(r["output_ids"]) == NEW for r in clean.values()), clean
     for i in range(4):
         assert pd["clean2"][f"clean2-{i}"]["output_ids"][:NEW] == clean[f"clean-{i}"]["output_ids"]
 
 
-def test_pd_mooncake_prefill_fault_aborts_exactly_its_victim(pd):
+def test_pd_prefill_fault_aborts_exactly_its_victim(pd):
     inject = [e for e in pd["prefill_events"] if e["event"] == "inject" and e.get("fault") == "prefill_index_shift"]
     assert [e["victims"] for e in inject] == [["pshift-4"]], inject
     victim = pd["pshift"]["pshift-4"]  # the prefill aborted it (kvguard), the router then aborted it on the decode
@@ -111,7 +120,7 @@ def test_pd_mooncake_prefill_fault_aborts_exactly_its_victim(pd):
         assert got["error"] is None and got["output_ids"] == pd["clean"][f"clean-{i}"]["output_ids"], (i, got)
 
 
-def test_pd_mooncake_decode_fault_aborts_exactly_its_victims(pd):
+def test_pd_decode_fault_aborts_exactly_its_victims(pd):
     inject = [e for e in pd["decode_events"] if e["event"] == "inject" and e.get("label") == "swap"]
     assert inject, "the injector did not strike on the decode server"
     victims = set(inject[0]["victims"])
@@ -125,7 +134,7 @@ def test_pd_mooncake_decode_fault_aborts_exactly_its_victims(pd):
     assert all(c is not None and c["balanced"] for c in pd["swap_idle"].values()), pd["swap_idle"]
 
 
-def test_pd_mooncake_aborted_transfer_lands_late_in_no_one_elses_pages(pd):
+def test_pd_aborted_transfer_lands_late_in_no_one_elses_pages(pd):
     late = pd["late"]["late-0"]
     assert late["error"] is not None, late
     for i in (1, 2, 3):  # decoding while the aborted transfer was on its way: untouched by its late write
