@@ -21,6 +21,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from sglang_scheduler import scheduler_shell
 
 pytestmark = pytest.mark.sglang
 both_backends = pytest.mark.usefixtures("kvguard_backend")  # the torch references and the Triton kernels
@@ -83,7 +84,7 @@ class HiRig:
 
     def admit(self, reqs, running=None):
         """SGLang's own prefill admission and batch preparation (load-back included), on a scheduler shell."""
-        s = _scheduler(self, running)
+        s = scheduler_shell(self, overlap=False, hierarchical=True, running=running)
         s.waiting_queue = list(reqs)
         batch, _ = s._get_new_batch_prefill_raw(None, s.running_batch)
         assert batch is not None and batch.reqs == list(reqs), "a request was not admitted"
@@ -125,39 +126,6 @@ class HiRig:
 def _bytes_of(req, layer: int) -> torch.Tensor:
     ids = torch.tensor(list(req.full_untruncated_fill_ids), dtype=torch.float32)
     return (ids * 10 + layer).reshape(-1, 1, 1).expand(-1, 1, 4)
-
-
-def _scheduler(rig, running=None):
-    """A ``Scheduler`` without its ``__init__``: the rig's pools and HiCache tree, SGLang's own admission.
-
-    Stand-ins (none touches KV): the grammar queue (empty), the policy's ordering (as queued), metrics, the
-    admission budget (every free row)."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    s = Scheduler.__new__(Scheduler)
-    fields = dict(
-        grammar_manager=NS(has_waiting_grammars=lambda: False), enable_priority_preemption=False,
-        enable_priority_scheduling=False, is_hybrid_swa=False, waiting_queue=[], chunked_req=None,
-        min_free_slots_delayer=None, policy=NS(calc_priority=lambda *a, **k: None), processed_tokens_counter=None,
-        chunked_prefill_size=None, dynamic_chunk_sizer=None,
-        tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)), page_size=rig.page_size,
-        tree_cache=rig.tree, token_to_kv_pool_allocator=rig.allocator, req_to_token_pool=rig.req_to_token_pool,
-        new_token_ratio_tracker=NS(current=0.0, decay_step=lambda: None), max_prefill_tokens=16384,
-        is_mixed_chunk=False, priority_scheduling_preemption_threshold=0, max_prefill_bs=1 << 30,
-        max_running_requests=64, dllm_config=None, enable_lora=False, enable_hicache_storage=False,
-        enable_lmcache=False, truncation_align_size=None, model_config=rig.model_config, enable_overlap=False,
-        spec_algorithm=SpeculativeAlgorithm.NONE, enable_hierarchical_cache=True,
-        enable_unified_cache_external_linker=False, hisparse_coordinator=None,
-        load_inquirer=NS(_get_num_pending_tokens=lambda **k: 0), enable_skip_finishing_decode=False,
-        device="cpu", forward_ct=1, running_batch=running if running is not None else ScheduleBatch(reqs=[]),
-    )
-    for name, value in fields.items():
-        setattr(s, name, value)
-    s.get_num_allocatable_reqs = lambda running_bs, *a, **k: rig.req_to_token_pool.available_size()
-    s._add_request_to_queue = lambda req, is_retracted=False: s.waiting_queue.append(req)
-    return s
 
 
 def _flags(batch) -> list[int]:

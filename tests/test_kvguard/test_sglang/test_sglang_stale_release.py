@@ -24,55 +24,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from sglang_scheduler import scheduler_shell
 
 pytestmark = pytest.mark.sglang
 both_backends = pytest.mark.usefixtures("kvguard_backend")  # the torch references and the Triton kernels
-
-
-def _scheduler(rig, *, mixed: bool = False, priority: bool = False, overlap: bool = True, running=None):
-    """A ``Scheduler`` without its ``__init__``: the rig's pools and tree, SGLang's own scheduling methods.
-
-    Stand-ins (none of them touches KV): the grammar queue (empty), the policy's ordering (as queued), the
-    admission budget (every free row; ``budget`` overrides it), metrics, and the output streamer (records what
-    is streamed in ``streamed``)."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    s = Scheduler.__new__(Scheduler)
-    streamed: list = []
-    fields = dict(
-        grammar_manager=NS(has_waiting_grammars=lambda: False), enable_priority_preemption=priority,
-        enable_priority_scheduling=priority, is_hybrid_swa=False, waiting_queue=[], chunked_req=None,
-        min_free_slots_delayer=None, policy=NS(calc_priority=lambda *a, **k: None), processed_tokens_counter=None,
-        chunked_prefill_size=None, dynamic_chunk_sizer=None,
-        tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)), page_size=rig.page_size,
-        tree_cache=rig.tree, token_to_kv_pool_allocator=rig.allocator, req_to_token_pool=rig.req_to_token_pool,
-        new_token_ratio_tracker=NS(current=0.0, decay_step=lambda: None), max_prefill_tokens=16384,
-        is_mixed_chunk=mixed, priority_scheduling_preemption_threshold=0, max_prefill_bs=1 << 30,
-        max_running_requests=64, dllm_config=None, enable_lora=False, enable_hicache_storage=False,
-        enable_lmcache=False, truncation_align_size=None, model_config=rig.model_config, enable_overlap=overlap,
-        spec_algorithm=SpeculativeAlgorithm.NONE, enable_hierarchical_cache=False,
-        enable_unified_cache_external_linker=False, hisparse_coordinator=None,
-        load_inquirer=NS(_get_num_pending_tokens=lambda **k: 0), enable_skip_finishing_decode=False,
-        result_queue=[], device="cpu", forward_ct=1, decode_offload_manager=None,
-        output_streamer=NS(stream_output=lambda reqs, *a, **k: streamed.extend(reqs)),
-        # pause_generation
-        _engine_paused=False, enable_overlap_mlx=False, _pause_started_at=None, last_batch=None,
-        cur_batch_for_debug=None, disaggregation_mode=DisaggregationMode.NULL,
-        metrics_reporter=NS(last_gen_throughput=0.0, current_scheduler_metrics_enabled=False),
-        kv_events_publisher=NS(publish_kv_events=lambda: None),
-        running_batch=running if running is not None else ScheduleBatch(reqs=[]),
-    )
-    for name, value in fields.items():
-        setattr(s, name, value)
-    s.streamed = streamed
-    s.budget = None  # the admission budget (None: every free row)
-    s.get_num_allocatable_reqs = lambda running_bs, *a, **k: \
-        rig.req_to_token_pool.available_size() if s.budget is None else s.budget
-    s._add_request_to_queue = lambda req, is_retracted=False: s.waiting_queue.append(req)
-    return s
 
 
 def _free_pages(rig) -> list[int]:
@@ -122,7 +77,7 @@ def test_a_stale_row_in_a_mixed_chunk_step_is_aborted_before_the_step(make_rig, 
     row = victim.kv.req_pool_idx
     rig.req_to_token_pool.free_rows([row])  # the bug: its row is released under it
     owner = rig.make_req(24)  # the next prefill takes that row (SGLang's row pool is LIFO)
-    s = _scheduler(rig, mixed=True, running=running)
+    s = scheduler_shell(rig, mixed=True, running=running)
     s.waiting_queue = [owner]
     batch, s.running_batch = s._get_new_batch_prefill_raw(None, running)  # SGLang's mixed step, as scheduled
     assert owner.kv.req_pool_idx == row  # the row changed hands inside this very step
@@ -155,7 +110,7 @@ def test_a_stale_row_is_aborted_before_a_decode_step_through_update_running_batc
     assert owner.kv.req_pool_idx == victim.kv.req_pool_idx
     newcomer.prefill_input_ids_cpu = None
     batch = rig.to_decode(newcomer, batch)
-    s = _scheduler(rig, running=batch)
+    s = scheduler_shell(rig, running=batch)
     batch = s.update_running_batch(batch)  # SGLang's own: filter, retract if full, prepare_for_decode
     assert batch.reqs == [owner, other] and s.streamed == [victim] and "stale row" in victim.finished_reason.message
     assert rig.verdict(batch) == {owner.rid: 0, other.rid: 0}
@@ -174,7 +129,7 @@ def test_a_row_released_under_a_running_request_is_aborted_before_its_step(make_
     victim, other = batch.reqs
     row = victim.kv.req_pool_idx
     rig.req_to_token_pool.free_rows([row])  # the bug: released under it; nobody took the row yet
-    s = _scheduler(rig, running=batch)
+    s = scheduler_shell(rig, running=batch)
     batch = s.update_running_batch(batch)
     assert s.streamed == [victim] and victim.finished(), "a request kvguard no longer follows ran its step"
     assert "released" in victim.finished_reason.message and str(row) in victim.finished_reason.message
@@ -223,7 +178,7 @@ def test_finished_requests_still_in_the_batch_are_not_flagged(make_rig):
     done = batch.reqs[1]
     done.finished_reason = FINISH_LENGTH(length=1)
     rig.release(done, checkpoint=True)  # what the result processing does with a finished request
-    s = _scheduler(rig, running=batch)
+    s = scheduler_shell(rig, running=batch)
     batch = s.update_running_batch(batch)
     assert s.streamed == [] and done not in batch.reqs and len(batch.reqs) == 2
     assert set(rig.verdict(batch).values()) == {0}
@@ -249,7 +204,7 @@ def test_pause_generation_retract_frees_only_legitimate_pages(make_rig):
     rig.install(registry=rig.registry)
     batch, a, c, c_page, a_page1 = _broken_pair(rig)
     reqs = list(batch.reqs)
-    s = _scheduler(rig, running=batch)
+    s = scheduler_shell(rig, running=batch)
     s.pause_generation(PauseGenerationReqInput(mode="retract"))  # SGLang's /pause_generation, mode=retract
     assert s.waiting_queue == reqs and s.running_batch.reqs == []  # all retracted, re-queued
     _balanced(rig)  # A's release did not free C's page (C freed it once) and did not leak its own second page
@@ -264,7 +219,7 @@ def test_priority_preemption_frees_only_legitimate_pages(make_rig):
         req.priority = priority
     urgent = rig.make_req(30)
     urgent.priority = 10
-    s = _scheduler(rig, priority=True, running=batch)
+    s = scheduler_shell(rig, priority=True, running=batch)
     s.waiting_queue, s.budget = [urgent], 0  # no row free for it: a running request must make room
     new, running = s._get_new_batch_prefill_raw(None, batch)
     assert new is not None and new.reqs == [urgent] and a in s.waiting_queue  # A was preempted for it
@@ -294,7 +249,7 @@ def test_a_retraction_never_frees_a_row_that_is_not_the_requests(make_rig):
     newcomer = rig.prefill(24)
     assert newcomer.reqs[0].kv.req_pool_idx == victim.kv.req_pool_idx
     batch = rig.to_decode(batch, newcomer)
-    s = _scheduler(rig, running=batch)
+    s = scheduler_shell(rig, running=batch)
     s.pause_generation(PauseGenerationReqInput(mode="retract"))
     _balanced(rig)
 
