@@ -46,6 +46,7 @@ class Facts:
     attn_cp_size: int = 1
     decode_kv_offload: bool = False
     decode_retraction_backup: str | None = None  # PD decode: where a retracted request's KV is kept (None: inferred)
+    decode_host_receive: bool = False  # PD decode: disaggregation_decode_host_receive_threshold < 1
     flexkv: bool = False
     radix_cache_backend: str | None = None
     external_cache_linker: bool = False
@@ -94,6 +95,7 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         decode_kv_offload=bool(_get(server_args, "disaggregation_decode_enable_offload_kvcache", False)),
         decode_retraction_backup=None if _get(server_args, "disaggregation_decode_retraction_backup") is None
         else str(_get(server_args, "disaggregation_decode_retraction_backup")),
+        decode_host_receive=float(_get(server_args, "disaggregation_decode_host_receive_threshold", 1.0)) < 1,
         flexkv=bool(_get(server_args, "enable_flexkv", False)),
         radix_cache_backend=None if _get(server_args, "radix_cache_backend") in (None, "")
         else str(_get(server_args, "radix_cache_backend")),
@@ -106,7 +108,7 @@ def retraction_backup(f: Facts) -> str:
     """Where a PD decode server keeps a retracted request's KV: the launch line's choice, else what SGLang 0.5.23
     resolves once the pools exist (``kv_cache_builder.resolve_decode_retraction_backup``): ``cpu_tensor`` for an MLA
     pool, a recurrent-state model, decode context parallel or decode KV offload, else ``host_pool``. NOTE: read
-    at start from the facts; kvguard.sglang.pd_backup stops the scheduler if SGLang resolves ``host_pool`` anyway."""
+    at start from the facts; SGLang may resolve the other backend once the pools exist (both are checked)."""
     if f.decode_retraction_backup is not None:
         return f.decode_retraction_backup
     return "cpu_tensor" if f.mla or f.hybrid_linear or f.dcp_size > 1 or f.decode_kv_offload else "host_pool"

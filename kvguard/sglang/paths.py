@@ -263,23 +263,26 @@ PATHS: tuple[Path, ...] = (
          "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
          lambda f: f.decode_kv_offload),
     Path("pd_decode_retraction_backup", CHECKED,
-         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=cpu_tensor, or unset where SGLang "
-         "resolves it to cpu_tensor (an MLA or hybrid linear-attention model, decode context parallel)",
-         "a retracted request's row [0, seqlen - 1) is checked before its KV is copied out through it (broken: "
+         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=cpu_tensor or host_pool, or unset "
+         "(SGLang resolves host_pool for an MHA pool, cpu_tensor for an MLA or hybrid linear-attention model, decode "
+         "context parallel or decode KV offload)",
+         "a retracted request's row [0, seqlen - 1) is checked before its KV is copied out through it (cpu_tensor: "
+         "Req.offload_kv_cache; host_pool: UnifiedRadixCache.backup_kv_cache into the tree's host pool; broken: "
          "nothing copied, the request aborted with kvguard's error, released safely), and its new row, recorded at "
          "_pre_alloc with the tags of that allocation, is checked before the saved KV is written back through it "
          "(kvguard.sglang.pd_backup)",
          "tests/test_kvguard/test_sglang/test_sglang_pd_backup.py (SGLang's PD decode scheduling, retract and "
-         "resume, on its real pools)",
-         lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) == "cpu_tensor"),
-    Path("pd_decode_retraction_host_pool", REFUSED,
-         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=host_pool, or unset where SGLang "
-         "resolves it to host_pool (an MHA or SWA pool, the default for most models)",
-         "the same hooks check the row before the copy and before the restore, but SGLang's host pool registers its "
-         "buffer with cudaHostRegister and moves KV on device streams, so its clean backup and restore (and decode "
-         "host KV buffering, which needs it) are not shown here: set disaggregation_decode_retraction_backup="
-         "cpu_tensor (checked) or none (a retracted request is turned away with HTTP 503)", "",
-         lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) == "host_pool"),
+         "resume, on its real pools and decode tree; host_pool on its HybridCacheController and "
+         "MHATokenToKVPoolHost, direct IO backend)",
+         lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) in ("cpu_tensor", "host_pool")),
+    Path("pd_decode_host_receive", REFUSED,
+         "disaggregation_mode=decode with disaggregation_decode_host_receive_threshold < 1 (decode host KV "
+         "buffering; SGLang runs it only with the host_pool retraction backup)",
+         "the KV transfer writes a request's KV into host pool pages, restored through its row at its prebuilt step "
+         "(get_new_prebuilt_batch): the restore is checked, but kvguard's transfer ticket and its hold of an aborted "
+         "transfer's destination follow device pages only, so a late write into a reused host page is not shown "
+         "caught", "",
+         lambda f: f.disaggregation_mode == "decode" and f.decode_host_receive),
     Path("flexkv", REFUSED, "enable_flexkv=True",
          "FlexKVRadixCache allocates slots in match_prefix / init_load_back, loads FlexKV's stored KV into them and "
          "hangs them on the tree as a new node, outside the tree checkpoint, so their expectations are not recorded",

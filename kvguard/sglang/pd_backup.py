@@ -22,6 +22,9 @@ target (``sglang.srt.``)                                               type    w
 ``mem_cache.common.restore_kv_cache``                                  AROUND  check the new row against what
                                                                                ``_pre_alloc`` recorded before the
                                                                                saved KV is written through it
+``mem_cache.kv_cache_builder.resolve_decode_retraction_backup``        AFTER   stop a PD decode scheduler with
+                                                                               decode host KV buffering (not
+                                                                               shown: see below)
 =====================================================================  ======  ===================================
 
 NOTE (where the hooks sit). Both functions are module-level in ``mem_cache.common`` and SGLang calls them there by
@@ -39,13 +42,19 @@ this allocation (``record_prealloc``), the row generation too, so the restored r
 would launder a row broken in between. Instead the restore is checked against that record first (a broken row
 would write the saved KV into another request's pages), and the request's next decode check covers the row after.
 
-NOTE (shown where). The ``cpu_tensor`` backend runs on the CPU through SGLang's real PD decode scheduling
-(tests/test_kvguard/test_sglang/test_sglang_pd_backup.py). The ``host_pool`` backend does not: its host pool
-registers its buffer with ``cudaHostRegister`` and its transfer engine needs device streams. The hooks run before
-either backend is reached, so a broken row is refused for both (shown), but a clean host-pool backup and restore
-(``UnifiedRadixCache``'s ``_retraction_device_transfers``: the same ``[0, seqlen - 1)``, padded within its last
-page) is not shown here; nor is the second restore site, ``get_new_prebuilt_batch``'s (decode host KV buffering,
-``disaggregation_decode_host_receive_threshold < 1``, which SGLang allows only with ``host_pool``).
+NOTE (shown where). Both backends run on the CPU through SGLang's real PD decode scheduling, on the decode tree
+SGLang builds (``mem_cache.registry.default_radix_cache_factory``: a ``UnifiedRadixCache`` with its radix cache off;
+for ``host_pool`` with HiCache attached by its own ``init_hicache``, a ``HybridCacheController`` over an
+``MHATokenToKVPoolHost``) (tests/test_kvguard/test_sglang/test_sglang_pd_backup.py). The host pool runs there with
+the two shims of the HiCache test (tests/host_pool_shims.py: ``cudaHostRegister`` a no-op, the ``direct`` IO
+backend's ``transfer_kv_direct`` a torch copy), ``hicache_io_backend=direct``, ``layer_first``. The tree's
+``backup_kv_cache`` / ``restore_kv_cache`` read the row's ``[0, seqlen - 1)`` (``_retraction_device_transfers``)
+padded to the end of its last page (slots of the page the check covers), after the hooks: a clean backup and
+restore leave no false flag, a broken row is neither copied out nor written through. Not shown: SGLang's default
+``kernel`` IO backend's copy ops (``sgl_kernel``, same indices), and the second restore site,
+``get_new_prebuilt_batch``'s (decode host KV buffering, ``disaggregation_decode_host_receive_threshold < 1``, which
+SGLang allows only with ``host_pool``): there the KV transfer itself writes the request's KV into host pages, which
+kvguard's transfer ticket (device pages) does not follow; :func:`after_resolve_backup` stops such a scheduler.
 
 Attention TP: every rank retracts and restores the same requests in the same order; the ranks agree on each
 verdict (one small CPU all-reduce per retracted or restored request: retraction is rare), so all drop the same.
@@ -174,16 +183,22 @@ def around_restore_kv_cache(original, req, tree_cache, req_to_token_pool, token_
     return None
 
 
+HOST_RECEIVE = "pd_decode_host_receive"  # the registry row of decode host KV buffering (kvguard.sglang.paths)
+
+
 def after_resolve_backup(result, *args, **kwargs):
-    """The backend SGLang resolved at start (``kv_cache_builder.resolve_decode_retraction_backup``, after the pools
-    are built): the registry's start-up answer inferred it from the launch line and the model; a host pool here
-    (not shown on this machine: ``pd_decode_retraction_host_pool``) stops the scheduler before anything serves."""
+    """SGLang's resolution of the backend at start (``kv_cache_builder.resolve_decode_retraction_backup``, after
+    the pools are built). Either backend is checked (the registry inferred it from the launch line and the model;
+    SGLang may resolve the other: both are shown). A PD decode server with decode host KV buffering
+    (``disaggregation_decode_host_receive_threshold < 1``: the transfer writes into host pages, not followed) stops
+    here before anything serves, whatever the registry answered at start."""
     from .runtime import unchecked
 
     from sglang.srt.runtime_context import get_disagg
 
-    if result == "host_pool" and get_disagg().disaggregation_mode == "decode":
-        raise unchecked("pd_decode_retraction_host_pool")
+    disagg = get_disagg()
+    if disagg.disaggregation_mode == "decode" and disagg.disaggregation_decode_host_receive_threshold < 1:
+        raise unchecked(HOST_RECEIVE)
     return result
 
 

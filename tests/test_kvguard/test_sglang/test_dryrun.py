@@ -36,7 +36,10 @@ TINY_QWEN3_NEXT = {
 LINES = [
     ("plain", [], "llama", True, "extend_decode"),
     ("pd_decode_mooncake", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"],
-     "llama", False, "pd_decode_retraction_host_pool"),  # (mooncake itself is checked: pd_decode_mooncake)
+     "llama", True, "pd_decode_retraction_backup"),  # host_pool, SGLang's default for an MHA pool: checked
+    ("pd_decode_host_receive", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+                                "--disaggregation-decode-host-receive-threshold", "0.5"], "llama", False,
+     "pd_decode_host_receive"),
     ("pd_decode_mooncake_cpu_tensor", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
                                        "mooncake", "--disaggregation-decode-retraction-backup", "cpu_tensor"],
      "llama", True, "pd_decode_retraction_backup"),

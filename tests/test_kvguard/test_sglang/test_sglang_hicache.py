@@ -8,11 +8,12 @@ Requests are admitted through SGLang's own ``Scheduler._get_new_batch_prefill_ra
 pools (as in test_sglang_stale_release.py); the tree writes through / back, evicts and loads back by itself.
 
 Two shims stand in for CUDA-only calls outside the logic under test (SGLang makes neither on the CPU, where its
-host pool does not start): ``pool_host.common._cuda_host_register`` (pinning the host buffer with
-``cudaHostRegister``: it changes no byte and no index) is a no-op, and ``pool_host.mha.transfer_kv_direct`` (the
-``sgl_kernel`` op the ``direct`` IO backend calls with the ``layer_first`` layout, imported by SGLang only on
-CUDA/ROCm/XPU) is its torch reference: per layer, ``dst[dst_indices] = src[src_indices]``. The bytes a load-back
-brings back are compared with what was written before eviction, so the copies are real.
+host pool does not start; tests/host_pool_shims.py, shared with test_sglang_pd_backup.py's host-pool retraction
+backup): ``pool_host.common._cuda_host_register`` (pinning the host buffer with ``cudaHostRegister``: it changes no
+byte and no index) is a no-op, and ``pool_host.mha.transfer_kv_direct`` (the ``sgl_kernel`` op the ``direct`` IO
+backend calls with the ``layer_first`` layout, imported by SGLang only on CUDA/ROCm/XPU) is its torch reference: per
+layer, ``dst[dst_indices] = src[src_indices]``. The bytes a load-back brings back are compared with what was written
+before eviction, so the copies are real.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+import host_pool_shims
 from sglang_scheduler import scheduler_shell
 
 pytestmark = pytest.mark.sglang
@@ -28,18 +30,9 @@ both_backends = pytest.mark.usefixtures("kvguard_backend")  # the torch referenc
 PS = 16
 
 
-def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
-    for src, dst in zip(src_layers, dst_layers):
-        dst[dst_indices.to(dst.device).long()] = src[src_indices.to(src.device).long()]
-
-
 @pytest.fixture
 def hicache_shims(monkeypatch):
-    import sglang.srt.mem_cache.pool_host.common as common
-    import sglang.srt.mem_cache.pool_host.mha as mha
-
-    monkeypatch.setattr(common, "_cuda_host_register", lambda buffer, granularity=None: None)
-    monkeypatch.setattr(mha, "transfer_kv_direct", _transfer_kv_direct, raising=False)
+    host_pool_shims.apply(monkeypatch)
 
 
 class HiRig:
@@ -71,7 +64,8 @@ class HiRig:
                                  token_to_kv_pool_allocator=self.allocator, page_size=PS,
                                  tree_components=(ComponentType.FULL,))
         self.tree = UnifiedRadixCache(params)
-        self.tree.init_hicache(args, params)
+        with host_pool_shims.host_budget():
+            self.tree.init_hicache(args, params)
         self.host = self.tree.cache_controller.mem_pool_host
         self.model_config = NS(is_encoder_decoder=False, vocab_size=32000)
         self.guard = install(self.req_to_token_pool, self.allocator, self.tree, registry=registry)

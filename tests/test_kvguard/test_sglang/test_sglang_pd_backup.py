@@ -1,35 +1,43 @@
 """PD decode with SGLang's retraction backup (issue 46): kvguard checks the row a retracted request's KV is copied out
 through and the row it is restored through (:mod:`kvguard.sglang.pd_backup`).
 
-Every test drives SGLang 0.5.23's real PD decode scheduling on the rig's real pools (page 16, FP8 MHA pool, the
-decode tree with its radix cache off, SGLang's default on a decode server), kvguard's hooks applied by SGLang's own
-HookRegistry: ``DecodePreallocQueue._pre_alloc`` (a transferred request's row and pages), ``Scheduler.
-get_next_disagg_decode_batch_to_run`` (the prebuilt batch, its result, the merge, ``update_running_batch`` with its
-retraction: ``ScheduleBatch.retract_decode`` -> ``release_req`` -> ``backup_kv_cache`` -> ``release_kv_cache``,
-then ``prepare_for_decode``), ``Scheduler._add_request_to_queue`` and ``DecodePreallocQueue.resume_retracted_reqs``
-(``_pre_alloc`` + ``restore_kv_cache``). The ``cpu_tensor`` backend is SGLang's own ``Req.offload_kv_cache`` /
-``load_kv_cache``. Stand-ins (:class:`PDDecode`) only for what kvguard does not touch: the transfer's bytes (a
-payload written into the destination slots), the model (one payload token per decode step), the output streamer
-and metrics. SGLang's own retraction switch (``SGLANG_TEST_RETRACT``: the module constant, set per step) picks
-the steps that retract; SGLang's retraction order picks the request.
+Every test drives SGLang 0.5.23's real PD decode scheduling on the rig's real pools (page 16, FP8 MHA pool) and the
+decode tree SGLang's own factory builds for them (``registry.default_radix_cache_factory``: a ``UnifiedRadixCache``
+with its radix cache off, a decode server's default; with ``host_pool``, HiCache attached by its ``init_hicache``),
+kvguard's hooks applied by SGLang's own HookRegistry: ``DecodePreallocQueue._pre_alloc`` (a transferred request's
+row and pages), ``Scheduler.get_next_disagg_decode_batch_to_run`` (the prebuilt batch, its result, the merge,
+``update_running_batch`` with its retraction: ``ScheduleBatch.retract_decode`` -> ``release_req`` ->
+``backup_kv_cache`` -> ``release_kv_cache``, then ``prepare_for_decode``), ``Scheduler._add_request_to_queue`` and
+``DecodePreallocQueue.resume_retracted_reqs`` (``_pre_alloc`` + ``restore_kv_cache``). Both backends are SGLang's
+own: ``cpu_tensor`` is ``Req.offload_kv_cache`` / ``load_kv_cache``; ``host_pool`` (SGLang's default on a decode
+server for an MHA pool: ``kv_cache_builder.resolve_decode_retraction_backup``) is ``UnifiedRadixCache``'s
+``backup_kv_cache`` / ``restore_kv_cache`` through its ``HybridCacheController`` (``allocate_host_transfers``,
+``L2TransferEngine``) into its ``MHATokenToKVPoolHost``. Stand-ins (:class:`PDDecode`) only for what kvguard does
+not touch: the transfer's bytes (a payload written into the destination slots), the model (one payload token per
+decode step), the output streamer and metrics. SGLang's own retraction switch (``SGLANG_TEST_RETRACT``: the module
+constant, set per step) picks the steps that retract; SGLang's retraction order picks the request.
 
-The ``host_pool`` backend does not run on this CPU: ``MHATokenToKVPoolHost`` allocates its buffer through
-``alloc_with_host_register`` (``pin_memory=True``: ``cudaHostRegister``; "Found no NVIDIA driver"), and its
-transfer engine needs device streams. Its refusal before any copy is shown all the same (the hook runs before
-SGLang's ``UnifiedRadixCache.backup_kv_cache`` would be reached):
-:func:`test_host_pool_backup_of_a_broken_row_is_refused_before_the_tree`.
+The host pool runs on this CPU with the two shims of the HiCache test (tests/host_pool_shims.py: pinning its buffer
+with ``cudaHostRegister`` a no-op, it changes no byte and no index; the ``direct`` IO backend's ``transfer_kv_direct``
+the torch copy it stands for), ``hicache_io_backend="direct"``, ``hicache_mem_layout="layer_first"`` and
+``hicache_ratio=1`` (an explicit ``--hicache-ratio``: the host pool as large as the device pool, so a retraction never
+finds it full). Every restored request's KV is compared, position by position, with what it had before its
+retraction, so the copies out and back are real.
 """
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace as NS
 
+import host_pool_shims
 import pytest
 import torch
 
 pytestmark = pytest.mark.sglang
 both_backends = pytest.mark.usefixtures("kvguard_backend")  # the torch references and the Triton kernels
 PS = 16
+BACKENDS = ["cpu_tensor", "host_pool"]  # the retraction backups that copy KV (``none`` copies nothing)
+retraction_backups = pytest.mark.parametrize("pd", BACKENDS, indirect=True)  # each test on both
 
 
 def _hooked(target: str, fn) -> bool:
@@ -76,7 +84,7 @@ class PDDecode:
     """A PD decode server's scheduling on the rig: SGLang's own DecodePreallocQueue and Scheduler methods on shells
     holding the rig's pools (``__init__`` skipped: it builds the transfer backend and the model)."""
 
-    def __init__(self, rig, monkeypatch, backend: str = "cpu_tensor"):
+    def __init__(self, rig, monkeypatch, backend: str):
         import sglang.srt.managers.scheduler as scheduler_mod
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -88,10 +96,8 @@ class PDDecode:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         self.rig, self.guard, self.backend = rig, rig.guard, backend
-        bag = get_disagg().override(disaggregation_mode="decode", disaggregation_decode_retraction_backup=backend)
-        bag.__enter__()
+        assert get_disagg().disaggregation_decode_retraction_backup == backend
         monkeypatch.setattr(scheduler_mod, "TEST_RETRACT", True)  # SGLang's own switch, per step (forward_ct)
-        self._bag = bag
         self.streamed, self.aborted = [], []
         s = Scheduler.__new__(Scheduler)
         q = DecodePreallocQueue.__new__(DecodePreallocQueue)
@@ -143,8 +149,12 @@ class PDDecode:
                 seen[req.rid] = reason.message
         return sorted(seen.items())
 
-    def close(self):
-        self._bag.__exit__(None, None, None)
+    def host_free(self) -> int | None:
+        """The free slots of the tree's host KV pool (``host_pool``; None for ``cpu_tensor``: no host pool)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        group = getattr(self.rig.tree, "host_pool_group", None)
+        return None if group is None else group.get_pool(PoolName.KV).available_size()
 
     # -- the stand-ins: the transfer's and the model's bytes ------------------------------------------------------
     def _write(self, req, pos: int, slot: int) -> None:
@@ -223,26 +233,78 @@ class PDDecode:
         self.s.running_batch.filter_batch()
 
 
+def decode_server(rig, backend: str):
+    """A PD decode server's tree for the rig's pools, as SGLang builds it (``build_kv_cache`` ->
+    ``registry.default_radix_cache_factory`` with the radix cache off -> ``create_unified_radix_cache``, then
+    ``validate_retraction_host_capacity`` for ``host_pool``), under the config a decode server publishes. Returns
+    the entered disagg override (its ``__exit__`` undoes it); the tree is the rig's (installed by the caller)."""
+    from sglang.srt.runtime_context import get_disagg
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    args = ServerArgs(model_path="dummy", page_size=PS, device="cpu", hicache_io_backend="direct",
+                      hicache_mem_layout="layer_first", hicache_ratio=1.0)
+    set_global_server_args_for_scheduler(args)
+    bag = get_disagg().override(disaggregation_mode="decode", disaggregation_decode_retraction_backup=backend)
+    bag.__enter__()
+    try:
+        rig.tree = _decode_tree(rig, args, backend)
+    except BaseException:
+        bag.__exit__(None, None, None)
+        raise
+    return bag
+
+
+def _decode_tree(rig, args, backend: str):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, default_radix_cache_factory
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(disable=True, req_to_token_pool=rig.req_to_token_pool,
+                             token_to_kv_pool_allocator=rig.allocator, page_size=PS)
+    counters = []  # the host-to-device layer counter SGLang hands the model runner (the stand-in model waits on none)
+    ctx = TreeCacheBuildContext(
+        server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+        disable_radix_cache=True, tp_worker=NS(register_hicache_layer_transfer_counter=counters.append),
+        model_config=rig.model_config, tp_size=1, tp_rank=0, tp_group=None)
+    with host_pool_shims.host_budget():
+        tree = default_radix_cache_factory(ctx)
+    assert isinstance(tree, UnifiedRadixCache) and tree.disable
+    if backend == "host_pool":
+        assert tree.cache_controller is not None and len(counters) == 1 and tree.supports_retraction_backup()
+        tree.validate_retraction_host_capacity()
+        assert tree.host_pool_group.get_pool(PoolName.KV).size >= rig.allocator.size
+    else:
+        assert tree.cache_controller is None
+    return tree
+
+
 @pytest.fixture
 def pd(request, make_rig, backup_hooks, monkeypatch):
     if "kvguard_backend" in request.fixturenames:
         request.getfixturevalue("kvguard_backend")  # (set before the guard is installed)
+    backend = getattr(request, "param", "cpu_tensor")
+    if backend == "host_pool":
+        host_pool_shims.apply(monkeypatch)
     rig = make_rig(PS, num_tokens=4096, rows=24, context=1024, radix=False)
-    rig.install(registry=rig.registry)
-    pd = PDDecode(rig, monkeypatch, getattr(request, "param", "cpu_tensor"))
-    calls = pd.verdicts = []  # every row verdict kvguard's backup / restore hooks took (kvguard's, counted)
-    verdict = backup_hooks.row_verdict
-    monkeypatch.setattr(backup_hooks, "row_verdict", lambda *a: calls.append(a[1].rid) or verdict(*a))
-    pd.start = (rig.allocator.available_size(), rig.req_to_token_pool.available_size())
-    yield pd
-    pd.close()
+    bag = decode_server(rig, backend)
+    try:
+        rig.install(registry=rig.registry)
+        pd = PDDecode(rig, monkeypatch, backend)
+        calls = pd.verdicts = []  # every row verdict kvguard's backup / restore hooks took (kvguard's, counted)
+        verdict = backup_hooks.row_verdict
+        monkeypatch.setattr(backup_hooks, "row_verdict", lambda *a: calls.append(a[1].rid) or verdict(*a))
+        pd.start = (rig.allocator.available_size(), rig.req_to_token_pool.available_size(), pd.host_free())
+        yield pd
+    finally:
+        bag.__exit__(None, None, None)
 
 
 def _balanced(pd) -> None:
     rig = pd.rig
     free = rig.allocator.get_all_free_pages().tolist()
     assert len(free) == len(set(free)), "a page is on the free list twice"
-    assert (rig.allocator.available_size(), rig.req_to_token_pool.available_size()) == pd.start
+    assert (rig.allocator.available_size(), rig.req_to_token_pool.available_size(), pd.host_free()) == pd.start
 
 
 def _violations(pd) -> dict:
@@ -268,8 +330,19 @@ def _point_at(pd, req, first: int, other, page: int = 0) -> None:
     rig.row(req)[first * PS:(first + 1) * PS] = target
 
 
+def _host_expected(pd) -> int | None:
+    """The host pool's free slots with the backups of the retracted requests held (``host_pool``; each: the row's
+    ``[0, seqlen - 1)`` padded to its last page), None for ``cpu_tensor``."""
+    if pd.backend != "host_pool":
+        return None
+    held = [req.kv.retraction_backup for req in pd.q.retracted_queue]
+    assert all(backup is not None and backup.host_indices is not None for backup in held)
+    return pd.start[2] - sum(len(backup.host_indices) for backup in held)
+
+
 # -- (a) clean backup + restore: no false abort, KV intact, nothing stale -------------------------------------------
 @both_backends
+@retraction_backups
 def test_clean_retract_and_restore_cycles(pd):
     """200 randomized retract / restore cycles (SGLang picks the request), other requests arriving, decoding and
     finishing in between: no check flags anything, every restored request decodes on KV that is its own, no restored
@@ -286,10 +359,12 @@ def test_clean_retract_and_restore_cycles(pd):
         flagged = pd.step(retract=len(pd.s.running_batch.reqs) > 1)
         assert flagged == [], [m for _, m, _ in flagged]
         cycles += len(pd.q.retracted_queue) > before
+        assert pd.host_free() == _host_expected(pd)  # (host_pool) the host pool holds exactly the saved KV
         if pd.q.retracted_queue and rng.random() < 0.6:
             back = pd.resume()
             restored += len(back)
             assert all(pd.kv_intact(r) for r in back)  # the saved KV came back, under the new row
+            assert pd.host_free() == _host_expected(pd)  # (host_pool) a restore gives its host slots back
         running = pd.s.running_batch
         for req, stale in zip(running.reqs, pd.guard.stale_flags(running)[0] if running.reqs else []):
             if not req.finished():  # (a finished request stays in the batch, released, until SGLang's next filter)
@@ -303,6 +378,7 @@ def test_clean_retract_and_restore_cycles(pd):
 
 # -- (b) a row broken before the backup: that request only, nothing copied ------------------------------------------
 @both_backends
+@retraction_backups
 def test_a_row_broken_before_backup_is_aborted_and_never_copied(pd):
     a, b, c, victim = _running(pd)
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -315,6 +391,7 @@ def test_a_row_broken_before_backup_is_aborted_and_never_copied(pd):
     flagged = pd.step(retract=True)  # SGLang retracts the victim: retract_decode -> release_req -> backup_kv_cache
     assert flagged == []  # the step's check of the requests still running: clean
     assert victim.kv.retraction_backup is None and victim not in pd.q.retracted_queue  # nothing copied
+    assert pd.host_free() == pd.start[2]  # (host_pool) no host slot taken: SGLang's tree backup never ran
     assert [r.rid for r, _ in pd.aborted] == [victim.rid]
     (rid, message), = pd.aborts()
     assert rid == victim.rid and message.startswith("kvguard") and "tag_mismatch" in message
@@ -332,11 +409,15 @@ def test_a_row_broken_before_backup_is_aborted_and_never_copied(pd):
 
 # -- (c) a row broken after the restore: the next check flags only it ----------------------------------------------
 @both_backends
+@retraction_backups
 def test_a_row_broken_after_restore_is_flagged_by_the_next_check(pd):
     a, b, c, victim = _running(pd)
     assert pd.step(retract=True) == [] and pd.q.retracted_queue == [victim]
-    assert victim.kv.retraction_backup is not None  # SGLang's cpu_tensor backup (kvguard found the row intact)
+    assert victim.kv.retraction_backup is not None  # SGLang's backup (kvguard found the row intact)
+    if pd.backend == "host_pool":  # in the tree's host pool: the row's [0, seqlen - 1), padded to its last page
+        assert pd.host_free() == pd.start[2] - -(-(int(victim.seqlen) - 1) // PS) * PS
     assert pd.resume() == [victim] and pd.kv_intact(victim)  # restored into new pages, under a new row
+    assert victim.kv.retraction_backup is None and pd.host_free() == pd.start[2]
     assert not pd.guard.stale_flags(NS(reqs=[victim], req_pool_indices_cpu=None))[0][0]  # its own row
     _point_at(pd, victim, 1, a)  # the fault, after the restore
     flagged = pd.step()  # the prebuilt batch joins the running batch; the decode check
@@ -350,6 +431,7 @@ def test_a_row_broken_after_restore_is_flagged_by_the_next_check(pd):
 
 
 @both_backends
+@retraction_backups
 def test_a_row_broken_before_the_restore_writes_is_never_written_through(pd, monkeypatch):
     """The new row broken between SGLang's _pre_alloc and its restore_kv_cache (resume_retracted_reqs): the saved KV
     is not written through it (it would land in another request's page); the request finishes at its prebuilt step
@@ -367,7 +449,7 @@ def test_a_row_broken_before_the_restore_writes_is_never_written_through(pd, mon
     a_kv = pd.rig.kv.k_buffer[0][pd.rig.page_slots(pd.rig.pages_of(a)[0])].clone()
     assert pd.resume() == [victim]
     assert torch.equal(pd.rig.kv.k_buffer[0][pd.rig.page_slots(pd.rig.pages_of(a)[0])], a_kv)  # not written
-    assert victim.kv.retraction_backup is None  # discarded
+    assert victim.kv.retraction_backup is None and pd.host_free() == pd.start[2]  # discarded (host slots back)
     monkeypatch.undo()
     assert pd.step() == []  # the prebuilt result finishes it (SGLang's to_finish), the others decode
     assert victim.finished() and [rid for rid, _ in pd.aborts()] == [victim.rid]
@@ -380,35 +462,43 @@ def test_a_row_broken_before_the_restore_writes_is_never_written_through(pd, mon
     _balanced(pd)
 
 
-@pytest.mark.parametrize("pd", ["host_pool"], indirect=True)
-def test_host_pool_backup_of_a_broken_row_is_refused_before_the_tree(pd):
-    """backend host_pool: kvguard refuses the broken row before SGLang's UnifiedRadixCache.backup_kv_cache would
-    read it (the rig's tree is a plain RadixCache: reaching SGLang's host-pool backup would raise here)."""
-    a, b, c, victim = _running(pd)
-    _point_at(pd, victim, 1, c)
-    assert pd.step(retract=True) == []
-    assert [rid for rid, _ in pd.aborts()] == [victim.rid] and victim.kv.retraction_backup is None
-    assert _violations(pd) == {"tag_mismatch": 1}
-    for req in pd.s.running_batch.reqs:
-        req.sampling_params.max_new_tokens = len(req.output_ids)
-    pd._finish(pd.s.running_batch)
-    _balanced(pd)
+@pytest.mark.parametrize("mode,backend,threshold,resolved", [
+    ("decode", None, 1.0, "host_pool"),  # SGLang's default for an MHA pool
+    ("decode", "cpu_tensor", 1.0, "cpu_tensor"),
+    ("decode", "host_pool", 1.0, "host_pool"),
+    ("null", None, 1.0, "cpu_tensor"),
+    ("decode", None, 0.5, None),  # decode host KV buffering (SGLang resolves host_pool): stops
+])
+def test_either_backend_resolved_at_start_serves_and_host_receive_stops(make_rig, backup_hooks, mode, backend,
+                                                                       threshold, resolved):
+    """SGLang's own resolution of the backend once the pools exist
+    (``kv_cache_builder.resolve_decode_retraction_backup``, kvguard's hook after it) on the rig's MHA pool: either
+    backend serves (both are checked, whatever the registry inferred from the launch line); a PD decode server with
+    decode host KV buffering (not shown) stops there, before anything serves."""
+    from transformers import LlamaConfig
 
-
-@pytest.mark.parametrize("mode,backend,stops", [("decode", "host_pool", True), ("decode", "cpu_tensor", False),
-                                                ("null", "host_pool", False)])
-def test_a_host_pool_resolved_at_start_stops_a_pd_decode_scheduler(make_rig, mode, backend, stops):
-    """The registry infers the backend from the launch line; SGLang resolves it once the pools exist. A PD decode
-    server that ends up on the host pool (not shown here) stops there, before anything serves."""
+    from sglang.srt.mem_cache import kv_cache_builder
     from sglang.srt.runtime_context import get_disagg
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from kvguard.sglang import pd_backup
+    from faultlab.sglang_live.rig import publish_server_args
 
-    make_rig(1)  # (publishes SGLang's config namespaces, as a scheduler does)
-    bag = get_disagg().override(disaggregation_mode=mode, disaggregation_decode_retraction_backup=backend)
-    with bag:
-        if stops:
-            with pytest.raises(RuntimeError, match="pd_decode_retraction_host_pool"):
-                pd_backup.after_resolve_backup(backend)
-        else:
-            assert pd_backup.after_resolve_backup(backend) == backend
+    target = "sglang.srt.mem_cache.kv_cache_builder.resolve_decode_retraction_backup"
+    assert _hooked(target, backup_hooks.after_resolve_backup)
+    rig = make_rig(PS)  # (publishes SGLang's config namespaces, as a scheduler does)
+    model_config = NS(hf_config=LlamaConfig(architectures=["LlamaForCausalLM"]), is_draft_model=False,
+                      linear_attn_registry_result=None)
+    tp_worker = NS(get_memory_pool=lambda: (rig.req_to_token_pool, rig.allocator), is_hybrid_swa=False,
+                   model_runner=NS(mtp_draft_device_pools=(), spec_algorithm=SpeculativeAlgorithm.NONE,
+                                   model_config=model_config))
+    bag = get_disagg().override(disaggregation_mode=mode, disaggregation_decode_retraction_backup=backend,
+                                disaggregation_decode_host_receive_threshold=threshold)
+    try:
+        with bag:
+            if resolved is None:
+                with pytest.raises(RuntimeError, match="pd_decode_host_receive"):
+                    kv_cache_builder.resolve_decode_retraction_backup(tp_worker=tp_worker)
+            else:
+                assert kv_cache_builder.resolve_decode_retraction_backup(tp_worker=tp_worker) == resolved
+    finally:
+        publish_server_args(PS)  # (drops the resolution's overrides of SGLang's config bags)

@@ -64,8 +64,8 @@ REFUSED_FACTS = {
     "attention_context_parallel": (Facts(attn_cp_size=2), {"attn_cp_size": 2, "tp_size": 2}),
     "pd_decode_kv_offload": (Facts(disaggregation_mode="decode", transfer_backend="fake", decode_kv_offload=True),
                              None),  # SGLang needs a HiCache storage backend for it
-    "pd_decode_retraction_host_pool": (Facts(disaggregation_mode="decode", transfer_backend="fake",
-                                             decode_retraction_backup="host_pool"), None),
+    "pd_decode_host_receive": (Facts(disaggregation_mode="decode", transfer_backend="fake",
+                                     decode_host_receive=True), None),  # (a decode server does not start here)
     "flexkv": (Facts(flexkv=True), {"enable_flexkv": True}),
     "radix_cache_backend": (Facts(radix_cache_backend="flexkv"), {"radix_cache_backend": "flexkv"}),
     "unified_cache_external_linker": (Facts(external_cache_linker=True),
@@ -99,12 +99,15 @@ def test_the_default_configuration_is_served():
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", decode_retraction_backup="none",
                          overlap=False)) is None
     assert refusal(Facts(disaggregation_mode="prefill", transfer_backend="mooncake", overlap=False)) is None
-    # PD decode's retraction backup: cpu_tensor (named, or what SGLang resolves for an MLA pool) is checked
+    # PD decode's retraction backup: cpu_tensor or host_pool (named, or what SGLang resolves) is checked
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", decode_retraction_backup="cpu_tensor",
                          overlap=False)) is None
     assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", mla=True, overlap=False)) is None
-    assert "pd_decode_retraction_host_pool" in refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake",
-                                                             overlap=False))
+    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", overlap=False)) is None
+    assert refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake", decode_retraction_backup="host_pool",
+                         overlap=False)) is None
+    assert "pd_decode_host_receive" in refusal(Facts(disaggregation_mode="decode", transfer_backend="mooncake",
+                                                     decode_host_receive=True, overlap=False))
 
 
 def test_docs_coverage_table_is_the_registry():
