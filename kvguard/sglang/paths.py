@@ -43,7 +43,8 @@ _PD_TRANSFER_TEST = "tests/test_faultlab/test_sglang_live/test_sglang_pd_transfe
 _STALE_RELEASE = "tests/test_kvguard/test_sglang/test_sglang_stale_release.py"
 _SPEC = "tests/test_faultlab/test_sglang_live/test_sglang_spec.py"
 _MAMBA = "tests/test_faultlab/test_sglang_live/test_sglang_mamba.py"
-SPEC_CHECKED = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")  # speculative algorithms kvguard checks (kvguard/sglang/spec.py)
+# speculative algorithms kvguard checks (kvguard/sglang/spec.py)
+SPEC_CHECKED = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
 def _spec_checked(f: "Facts") -> bool:
@@ -136,7 +137,7 @@ PATHS: tuple[Path, ...] = (
          "with its tags; one batched check of every entry [0, nxt) of each row before the step's first forward "
          "covers the draft, verify and draft-extend reads of both pools (the draft pool shares slot ids), and "
          "redirects a flagged request's row to the padding slot; the verdict is read before the step's tokens are "
-         "committed (kvguard/sglang/spec.py)", _SPEC, _spec_checked),
+         "committed (kvguard/sglang/spec.py)", f"{_SPEC} (NEXTN on MLA: test_sglang_spec_mla.py)", _spec_checked),
     Path("speculative_tree_drafting", REFUSED, "speculative_algorithm set with speculative_eagle_topk > 1",
          "tree drafting: with page_size > 1 each branch gets its own page-aligned region and the prefix tail is "
          "copied into it, and the accepted path's KV is moved after verify; kvguard records the chain layout only",
