@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 NEW = 12
 HOLD_S = 5.0
 LONG = 120  # the running requests decode through the hold
+# The soak (>= 1,000 fault-free decode steps per backend, after the episodes) runs from the command line:
+# FAULTLAB_PD_TRANSFER_SOAK=9 pytest tests/test_faultlab/test_sglang_live/test_sglang_pd_transfer.py -k soak -s
+SOAKS = int(os.environ.get("FAULTLAB_PD_TRANSFER_SOAK", "0"))  # rounds of 4 requests x LONG tokens (~120 steps each)
 # backend: (the module it needs, the pair's base port, its engine settings)
 BACKENDS = {"mooncake": ("mooncake.engine", 31000, {}),
             "nixl": ("nixl._api", 35000, {"disaggregation_transfer_backend": "nixl"})}
@@ -91,6 +94,11 @@ def pd(request, tmp_path_factory):
         out["clean2"] = pair.generate([(f"clean2-{i}", p, LONG) for i, p in enumerate(prompts[:4])])
         time.sleep(1.0)
         out["idle"] = pair.idle_checks(time.time())
+        for k in range(SOAKS):  # the command line's fault-free rounds (FAULTLAB_PD_TRANSFER_SOAK)
+            out[f"soak{k}"] = pair.generate([(f"soak{k}-{i}", p, LONG) for i, p in enumerate(prompts[:4])])
+        if SOAKS:
+            time.sleep(1.0)
+            out["soak_idle"] = pair.idle_checks(time.time())
     finally:
         out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
         out["prefill_answers"] = pair.prefill_answers()
@@ -145,3 +153,17 @@ def test_pd_aborted_transfer_lands_late_in_no_one_elses_pages(pd):
     assert held and "held until" in held[0], "kvguard did not hold the aborted transfer's destination"
     assert "Deferred KV release" not in pd["decode_stderr"], "SGLang released a destination on its timeout"
     assert all(c is not None and c["balanced"] for c in pd["idle"].values()), pd["idle"]
+
+
+@pytest.mark.skipif(not SOAKS, reason="the command-line run only (FAULTLAB_PD_TRANSFER_SOAK)")
+def test_pd_soak_serves_every_clean_request_unchanged(pd):
+    steps = pd["idle"]["decode"]["decode_steps"]  # the decode server's decode batches before the soak
+    for k in range(SOAKS):
+        for i in range(4):
+            got = pd[f"soak{k}"][f"soak{k}-{i}"]
+            assert got["error"] is None and got["output_ids"] == pd["clean2"][f"clean2-{i}"]["output_ids"], (k, i, got)
+    after = pd["soak_idle"]
+    assert all(c is not None and c["balanced"] for c in after.values()), after
+    print(f"soak: {after['decode']['decode_steps'] - steps} fault-free decode steps after the episodes "
+          f"({after['decode']['decode_steps']} in all), 0 false aborts")
+    assert after["decode"]["decode_steps"] - steps >= 1000
