@@ -215,6 +215,10 @@ def register(env=None) -> bool:
         from . import cpu_mamba
 
         cpu_mamba.install()
+    if env.get("FAULTLAB_SGLANG_CPU_DP") == "1":  # (faultlab/sglang_live/cpu_dp.py: ENV_VAR)
+        from . import cpu_dp
+
+        cpu_dp.install()
     if env.get("FAULTLAB_SGLANG_CPU_PD") == "1":  # (faultlab/sglang_live/cpu_pd.py: ENV_VAR)
         from . import cpu_pd
 

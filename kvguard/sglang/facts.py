@@ -27,6 +27,7 @@ class Facts:
     pp_size: int = 1
     tp_size: int = 1
     dp_attention: bool = False
+    attn_dp_size: int = 1  # attention-DP ranks (tp_size // attn_dp_size: each DP rank's attention-TP ranks)
     dllm: bool = False
     pdmux: bool = False
     overlap: bool = True
@@ -80,6 +81,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         # --dp-size N --enable-dp-attention into: it sets enable_dp_attention back to False then).
         dp_attention=bool(_get(server_args, "enable_dp_attention", False))
         or int(_get(server_args, "attn_dp_size", 1)) > 1,
+        attn_dp_size=max(int(_get(server_args, "attn_dp_size", 1)), int(_get(server_args, "dp_size", 1))
+                         if _get(server_args, "enable_dp_attention", False) else 1),
         dllm=_get(server_args, "dllm_algorithm") is not None,
         pdmux=bool(_get(server_args, "enable_pdmux", False)),
         overlap=not bool(_get(server_args, "disable_overlap_schedule", False)),

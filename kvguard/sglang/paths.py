@@ -230,12 +230,24 @@ PATHS: tuple[Path, ...] = (
     Path("hybrid_linear_tensor_parallel", REFUSED, "a hybrid linear-attention model with tp_size > 1",
          "the state check's verdict is not agreed across the ranks (a rank could drop a request its peers run)", "",
          lambda f: f.hybrid_linear and f.tp_size > 1),
-    Path("dp_attention", REFUSED, "attn_dp_size > 1 (or the deprecated dp_size > 1 with enable_dp_attention=True)",
-         "per-DP-rank batches and their agreement are not followed: each attention-DP rank schedules its own "
-         "requests on its own pools and runs idle (dummy) batches when it has none, and its verdicts would have to "
-         "agree over its attention-TP group only; no run of SGLang's DP attention exists here (on the CPU it needs "
-         "tp_size >= 2 scheduler processes over gloo, not tried), so none of this is shown", "",
-         lambda f: f.dp_attention),
+    Path("dp_attention", CHECKED, "attn_dp_size > 1 with tp_size == attn_dp_size (one attention-TP rank per DP "
+         "rank: --tp N --dp N --enable-dp-attention, or --tp N --attn-dp-size N)",
+         "each attention-DP rank (a scheduler process) checks its own requests on its own pools, as one server does; "
+         "its verdict is its own (SGLang's MLP sync re-counts every rank's batch before each forward, so an abort "
+         "changes no other rank's batch); its idle batches (ForwardMode.IDLE) carry no request and pass unchecked; "
+         "an eager decode check is launched on the rank's own rows before SGLang pads its batch to the DP group's "
+         "largest (kvguard/sglang/dp_attention.py). Shown with eager forwards on the CPU (a dense model); a decode "
+         "graph replay carries the captured check as on one server (its runner pads into its own buffers), not run "
+         "under DP attention",
+         "tests/test_faultlab/test_sglang_live/test_sglang_dp_attention.py",
+         lambda f: f.dp_attention and f.tp_size <= f.attn_dp_size),
+    Path("dp_attention_attn_tp", REFUSED, "attn_dp_size > 1 with tp_size > attn_dp_size (attention TP inside each "
+         "DP rank, e.g. --tp 8 --dp 4 --enable-dp-attention)",
+         "the attention-TP ranks of one DP rank share its batch, and their verdicts would agree over SGLang's "
+         "attention-TP group (the tensor_parallel agreement); a CPU run (tp_size=4, attn_dp_size=2) served and "
+         "aborted a fault that both of a DP rank's TP ranks saw, but a fault on one of them only is not shown "
+         "agreed under DP attention", "",
+         lambda f: f.dp_attention and f.tp_size > f.attn_dp_size),
     Path("pipeline_parallel", REFUSED, "pp_size > 1", "micro-batches across stages are not followed", "",
          lambda f: f.pp_size > 1),
     Path("encoder_decoder", REFUSED, "an encoder-decoder model",

@@ -88,7 +88,7 @@ from typing import Mapping
 from ..incidents import prepare_dir
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
-from . import batches, graphs, hicache, mamba, pd, pd_backup, runtime, spec, startup, swa
+from . import batches, dp_attention, graphs, hicache, mamba, pd, pd_backup, runtime, spec, startup, swa
 from .runtime import KVGuardStartupError, guard_of, stamp_transfer, transfer_ticket
 from .startup import _resolved, covered, guards, install, server_refusal
 
@@ -100,7 +100,7 @@ log = logging.getLogger("kvguard.sglang")
 _SRT = "sglang.srt"
 _SCHEDULER = f"{_SRT}.managers.scheduler.Scheduler"
 # The path modules, each with its HOOKS table: name -> (SGLang target, kvguard's hook, HookRegistry type).
-_PATHS = (startup, pd, pd_backup, batches, graphs, spec, mamba, swa, hicache)
+_PATHS = (startup, pd, pd_backup, batches, graphs, dp_attention, spec, mamba, swa, hicache)
 # The hooks no path module's table holds: the two install points (this module's own, below) and SGLang's releases
 # between steps and the stale-row abort (kvguard.sglang.release, kvguard.sglang.stale: hooks() names them).
 TARGETS = {

@@ -51,7 +51,7 @@ REFUSED_FACTS = {
                                        transfer_backend="fake", decode_retraction_backup="none"), None),
     "hybrid_linear_speculative": (Facts(hybrid_linear=True, radix=False, speculative_algorithm="EAGLE"), None),
     "hybrid_linear_tensor_parallel": (Facts(hybrid_linear=True, radix=False, tp_size=2), None),
-    "dp_attention": (Facts(dp_attention=True), {"attn_dp_size": 2, "tp_size": 2}),
+    "dp_attention_attn_tp": (Facts(dp_attention=True, attn_dp_size=2, tp_size=4), {"attn_dp_size": 2, "tp_size": 4}),
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
     "dllm": (Facts(dllm=True), None),
@@ -187,8 +187,8 @@ def plain_model(tmp_path_factory):
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("name, extra", [
-    ("dp_attention", {"attn_dp_size": 2, "tp_size": 2}),
-    ("dp_attention", {"dp_size": 2, "enable_dp_attention": True, "tp_size": 2}),  # the deprecated spelling
+    ("dp_attention_attn_tp", {"attn_dp_size": 2, "tp_size": 4}),
+    ("dp_attention_attn_tp", {"dp_size": 2, "enable_dp_attention": True, "tp_size": 4}),  # the deprecated spelling
     ("flexkv", {"enable_flexkv": True}),
     ("radix_cache_backend", {"radix_cache_backend": "flexkv"}),
     ("unified_cache_external_linker", {"enable_unified_cache_external_linker": True}),
