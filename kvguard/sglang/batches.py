@@ -106,10 +106,8 @@ def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
     flags = guard.stale_flags(batch)
     stale, any_stale = flags
     guard._fresh = None  # set again by this step's allocation, if it hands out pages
-    # The step's new pages are bumped by its record launch below (one launch for both), unless a page
-    # history is kept (it notes each bump where it happens: PoolFollower.bump_in_record).
-    guard.defer_bump = guard.bump_in_record
-    try:
+    # The step's new pages are bumped by its record launch below (one launch for both): PoolWraps.deferred_bump.
+    with guard.deferred_bump():
         if not any_stale:
             out_cache_loc = original(batch, token_per_req, *args, **kwargs)
         else:
@@ -130,10 +128,6 @@ def _record_decode_alloc(guard, original, batch, token_per_req, args, kwargs):
         if any_stale or guard._pending_alloc is not None or guard._fresh is not None:
             guard.record_decode(batch, out_cache_loc, stale)
         # else: no request starts a page this step (no page was handed out): nothing to record
-    finally:
-        guard.defer_bump = False
-        if guard._pending_alloc is not None:
-            guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     return out_cache_loc, flags
 
 

@@ -21,7 +21,7 @@ import torch
 from ..settings import TrackerConfig
 from ..tags import UNSET
 from ..tracker import TagTracker
-from .pool_wraps import PoolWraps
+from .pool_wraps import DeferredBump, PoolWraps
 from .radix import RadixTags
 from .release import ReleaseSide
 
@@ -79,6 +79,7 @@ class PoolFollower(PoolWraps, ReleaseSide):
         self.bump_in_record = self.tracker.history is None
         # (tensor, n): the step's new pages are its first n entries (the old free list: no slice per step)
         self._pending_alloc: tuple[torch.Tensor, int] | None = None
+        self._deferred = DeferredBump(self)  # (deferred_bump(): the context around such an allocation)
         self.rows_built = 0  # BatchRows built (once per batch composition; a benchmark reads it)
         self.rows_version = 0  # bumped on every row allocation (what a batch's cached staleness depends on)
         # What each released row held, keyed by (row, SGLang's row generation): a request whose row was

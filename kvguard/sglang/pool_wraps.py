@@ -162,8 +162,35 @@ class PoolWraps:
         rows_wrapper.__wrapped__ = original
         return rows_wrapper
 
+    def deferred_bump(self) -> "DeferredBump":
+        """``with follower.deferred_bump():`` around SGLang's allocation of a step that a record launch follows."""
+        return self._deferred
+
     def flush_alloc(self) -> None:
         """Bump a deferred decode allocation now (its record launch did not run, or needs the tags on the host)."""
         pending, self._pending_alloc = self._pending_alloc, None
         if pending is not None:
             self._fresh = self.tracker.on_alloc(pending[0][:pending[1]])
+
+
+class DeferredBump:
+    """While SGLang allocates a step's pages (decode, a spec step's reserve): the pages are bumped by the step's record
+    launch (``defer_bump``: one launch for both, unless a page history notes each bump where it happens); pages handed
+    out and not recorded by the end (an error in between) are bumped then. One per follower, reused every step."""
+
+    __slots__ = ("follower",)
+
+    def __init__(self, follower):
+        self.follower = follower
+
+    def __enter__(self):
+        f = self.follower
+        f.defer_bump = f.bump_in_record
+        return f
+
+    def __exit__(self, *exc) -> bool:
+        f = self.follower
+        f.defer_bump = False
+        if f._pending_alloc is not None:
+            f.flush_alloc()
+        return False

@@ -109,16 +109,11 @@ def around_alloc_for_spec_decode(original, tree_cache, req_to_token_pool, *, req
         batch.req_pool_indices = call["req_pool_indices"] = torch.where(
             guard.to_device(stale, torch.bool), PADDING_ROW, req_pool_indices)
     if num_needed_tokens > 0:
-        guard.defer_bump = guard.bump_in_record  # the reserve's pages are bumped by its record launch
-        try:
+        with guard.deferred_bump():  # the reserve's pages are bumped by its record launch
             out = _allocated(guard, original, tree_cache, req_to_token_pool, call)
             if any_stale or out is None or not record_reserve(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu):
                 guard.flush_alloc()  # (the general record below reads the new pages' tags)
                 record(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu, stale if any_stale else None)
-        finally:
-            guard.defer_bump = False
-            if guard._pending_alloc is not None:
-                guard.flush_alloc()  # pages handed out and not recorded (an error above) are still bumped
     else:  # nothing to reserve this step (SGLang's call only updates lengths)
         original(tree_cache, req_to_token_pool, **call)
     if reqs:

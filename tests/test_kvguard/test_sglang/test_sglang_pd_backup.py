@@ -307,6 +307,15 @@ def _balanced(pd) -> None:
     assert (rig.allocator.available_size(), rig.req_to_token_pool.available_size(), pd.host_free()) == pd.start
 
 
+def _others_unharmed(pd, *others) -> None:
+    """After a fault's step: the others decode three clean steps with their KV intact, and everything drains back."""
+    for _ in range(3):
+        assert pd.step() == []
+    assert all(pd.kv_intact(r) for r in others)
+    pd.drain()
+    _balanced(pd)
+
+
 def _violations(pd) -> dict:
     return {k[0]: int(c._value.get()) for k, c in pd.guard.tracker.metrics.violations._metrics.items()
             if c._value.get()}
@@ -400,11 +409,7 @@ def test_a_row_broken_before_backup_is_aborted_and_never_copied(pd):
     assert _violations(pd) == {"tag_mismatch": 1}
     assert own in pd.rig.allocator.get_all_free_pages().tolist()  # its own page came back (safe release)
     assert torch.equal(pd.rig.kv.k_buffer[0][pd.rig.page_slots(pd.rig.pages_of(c)[0])], c_kv)  # C's page: C's
-    for _ in range(3):
-        assert pd.step() == []
-    assert all(pd.kv_intact(r) for r in (a, b, c))
-    pd.drain()
-    _balanced(pd)
+    _others_unharmed(pd, a, b, c)
 
 
 # -- (c) a row broken after the restore: the next check flags only it ----------------------------------------------
@@ -423,11 +428,7 @@ def test_a_row_broken_after_restore_is_flagged_by_the_next_check(pd):
     flagged = pd.step()  # the prebuilt batch joins the running batch; the decode check
     assert [(r.rid, "tag_mismatch" in m) for r, m, _ in flagged] == [(victim.rid, True)]
     assert [rid for rid, _ in pd.aborts()] == [victim.rid] and _violations(pd) == {"tag_mismatch": 1}
-    for _ in range(3):
-        assert pd.step() == []
-    assert all(pd.kv_intact(r) for r in (a, b, c))
-    pd.drain()
-    _balanced(pd)
+    _others_unharmed(pd, a, b, c)
 
 
 @both_backends
@@ -455,11 +456,7 @@ def test_a_row_broken_before_the_restore_writes_is_never_written_through(pd, mon
     assert victim.finished() and [rid for rid, _ in pd.aborts()] == [victim.rid]
     assert "tag_mismatch" in dict(pd.aborts())[victim.rid] and _violations(pd) == {"tag_mismatch": 1}
     assert victim not in pd.s.running_batch.reqs
-    for _ in range(3):
-        assert pd.step() == []
-    assert all(pd.kv_intact(r) for r in (a, b, c))
-    pd.drain()
-    _balanced(pd)
+    _others_unharmed(pd, a, b, c)
 
 
 @pytest.mark.parametrize("mode,backend,threshold,resolved", [
