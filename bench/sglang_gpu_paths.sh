@@ -7,10 +7,13 @@
 M=$PWD/bench/models
 EAGLE='"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "'$M'/llama3.2-1b-eagle-draft",
   "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4'
+# GPT-OSS: SGLang picks the triton_kernels MoE runner when a triton_kernels package is found; the GPU machine's is
+# partial (no triton_kernels.matmul): SGLang's own Triton fused MoE instead
+MOE='"moe_runner_backend": "triton"'
 declare -A MODEL=([eagle]=llama3.2-1b-shape [eagle_nooverlap]=llama3.2-1b-shape [swa]=gpt-oss-20b-attn
                   [swa_nooverlap]=gpt-oss-20b-attn [mamba]=qwen3-next-attn [mamba_nooverlap]=qwen3-next-attn)
 declare -A OVER=([eagle]="{$EAGLE}" [eagle_nooverlap]="{$EAGLE, \"disable_overlap_schedule\": true}"
-                 [swa]='{}' [swa_nooverlap]='{"disable_overlap_schedule": true}'
+                 [swa]="{$MOE}" [swa_nooverlap]="{$MOE, \"disable_overlap_schedule\": true}"
                  [mamba]='{"disable_radix_cache": true}'
                  [mamba_nooverlap]='{"disable_radix_cache": true, "disable_overlap_schedule": true}')
 L=$OUT/run.log

@@ -7,6 +7,7 @@ bundle from ``.sgl/`` and puts the plugin entry points' folder on ``PYTHONPATH``
     python3 -m faultlab.sglang_gpu extras --out $OUT      # FP8 vs BF16 KV, first requests, INT4 vs BF16 weights
     python3 -m faultlab.sglang_gpu faults --out $OUT      # live faults (faultlab.sglang_live), kvguard on/off
     python3 -m faultlab.sglang_gpu hicache --out $OUT     # HiCache write-back, eviction, load-back: off vs check
+    python3 -m faultlab.sglang_gpu pd --out $OUT          # a PD decode server over NIXL: check vs off vs off (A/A)
     python3 -m faultlab.sglang_gpu report                 # here: raw JSONs -> bench/results/sglang_h200*.json + png
 
 The same phases dry-run on a CPU with ``--cpu`` (tiny Llama, torch_native attention, short lengths).
@@ -33,6 +34,7 @@ from faultlab.sglang_gpu.faults import cmd_fault_engine, cmd_faults
 from faultlab.sglang_gpu.hicache import cmd_hicache
 from faultlab.sglang_gpu.interleave import MIN_BLOCK
 from faultlab.sglang_gpu.overhead import MIN_WINDOW, cmd_overhead
+from faultlab.sglang_gpu.pd import cmd_pd
 from faultlab.sglang_gpu.report import cmd_report
 from faultlab.sglang_live.plan import EPISODE_CLASSES
 
@@ -67,6 +69,17 @@ def _integer(lo: int, hi: int | None, why: str):
 
 # overhead --warmup-tokens: 0 (no warm-up run), or fewer output tokens than a measured run's window
 _warmup_tokens = _integer(0, MIN_WINDOW - 1, "a warm-up run is never measured")
+def _fractions(text: str) -> str:
+    """pd --mem-fractions: three fractions in (0, 1), comma separated."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"three numbers are expected, got {text!r}") from None
+    if len(values) != 3 or not all(0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"three fractions in (0, 1) are expected (prefill, off, check), got {text!r}")
+    return text
+
+
 # overhead --interleave: decode steps per block
 _block = _integer(MIN_BLOCK, None, "a block's first step is left out")
 
@@ -152,6 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=2.0, help="host pool size / device pool size")
     p.add_argument("--name", default="hicache.json")
     p.set_defaults(func=cmd_hicache)
+    p = sub.add_parser("pd", help="a PD decode server (a prefill + two decode servers, NIXL): check vs off vs off")
+    add_common(p)
+    p.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl", help="SGLang's transfer backend")
+    p.add_argument("--reps", default="1:2,64:2", help="concurrency:pairs, comma separated")
+    p.add_argument("--input-len", type=_integer(1, None, "a prompt"), default=8192)
+    p.add_argument("--output-len", type=_integer(MIN_WINDOW, None, "a measured run's profiler window"), default=1000)
+    p.add_argument("--warmup-tokens", type=_warmup_tokens, default=8)
+    p.add_argument("--mem-fractions", default="0.26,0.36,0.56", type=_fractions,
+                   help="mem_fraction_static of the prefill, the off and the check decode server, started in that "
+                        "order (each of the memory free when it starts)")
+    p.add_argument("--bootstrap-port", type=_integer(1024, 65535, "a TCP port"), default=8998)
+    p.add_argument("--overrides", default="{}", type=_json_object,
+                   help="JSON: sglang.Engine settings of both decode servers")
+    p.add_argument("--prefill-overrides", default="{}", type=_json_object, help="JSON: the prefill server's settings")
+    p.add_argument("--budget", type=float, default=0, help="seconds; skip A/B pairs that would not fit")
+    p.add_argument("--name", default="pd.json")
+    p.set_defaults(func=cmd_pd)
     p = sub.add_parser("report", help="raw JSONs -> bench/results/sglang_h200*.json and the plot (here)")
     p.add_argument("--raw", nargs="+", default=[os.path.join(RESULTS, "sglang_h200_raw", d) for d in RAW_RUNS],
                    help="folders of raw runs, newest first: each part of the report comes from the first that has "

@@ -114,7 +114,14 @@ class Worker:
         return payload
 
     def call(self, cmd: str, arg=None, timeout: float = 600):
+        self.submit(cmd, arg)
+        return self.collect(cmd, timeout)
+
+    def submit(self, cmd: str, arg=None) -> None:
+        """Send a command without waiting (:meth:`collect` takes its answer): two engines working at once."""
         self.conn.send((cmd, arg))
+
+    def collect(self, cmd: str, timeout: float = 600):
         if not self.conn.poll(timeout):
             raise TimeoutError(f"engine {self.name}: {cmd} took over {timeout:.0f} s")
         status, payload = self.conn.recv()

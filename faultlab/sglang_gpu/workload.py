@@ -20,8 +20,12 @@ def make_prompts(n: int, input_len: int, seed: int, vocab: int, shared_prefix: i
 
 
 def run_workload(engine, *, n: int, input_len: int, output_len: int, seed: int, vocab: int,
-                 tag: str = "r", shared_prefix: int = 0, keep_ids: bool = False, timeout: float = 600) -> dict:
-    """Submit ``n`` requests at once and stream them; per request: TTFT, chunk gaps, tokens, finish."""
+                 tag: str = "r", shared_prefix: int = 0, keep_ids: bool = False, timeout: float = 600,
+                 bootstrap: dict | None = None) -> dict:
+    """Submit ``n`` requests at once and stream them; per request: TTFT, chunk gaps, tokens, finish.
+
+    ``bootstrap`` (PD disaggregation): ``{"host", "port", "room"}``, the prefill server's bootstrap address;
+    request ``i`` names room ``room + i``, and the prefill and the decode server are sent the same workload."""
     import asyncio
 
     prompts = make_prompts(n, input_len, seed, vocab, shared_prefix)
@@ -31,8 +35,10 @@ def run_workload(engine, *, n: int, input_len: int, output_len: int, seed: int, 
         rec = {"rid": f"{tag}-{i}", "gaps": [], "tokens": 0, "ttft": None, "finish": None, "error": None}
         last_t, last_n, ids = None, 0, []
         try:
+            pd = {} if bootstrap is None else {"bootstrap_host": bootstrap["host"], "bootstrap_port": bootstrap["port"],
+                                               "bootstrap_room": bootstrap["room"] + i}
             gen = await engine.async_generate(input_ids=prompts[i], sampling_params=params, stream=True,
-                                              rid=rec["rid"])
+                                              rid=rec["rid"], **pd)
             async for chunk in gen:
                 now = time.perf_counter()
                 meta = chunk.get("meta_info", {})

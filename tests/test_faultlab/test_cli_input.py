@@ -274,6 +274,7 @@ OUTPUTS = [
     ("sglang_gpu", ["overhead", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
     ("sglang_gpu", ["extras", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
     ("sglang_gpu", ["faults", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
+    ("sglang_gpu", ["pd", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
     ("sglang_gpu", ["fault-engine", "--out", "{bad}", "--spec", "s.json", "--result", "{tmp}/r.json"], "--out",
      "folder", ""),
     ("sglang_gpu", ["fault-engine", "--out", "{tmp}", "--spec", "s.json", "--result", "{bad}"], "--result",

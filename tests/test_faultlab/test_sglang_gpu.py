@@ -169,6 +169,13 @@ def test_cli_keeps_the_subcommands_and_defaults_the_results_were_made_with():
     assert (f.seeds, f.off_seeds, f.page_sizes, f.name) == (4, 2, [16, 1], "faults.json")
     e = ap.parse_args(["extras", "--out", "x"])
     assert (e.kv_dtypes, e.weights, e.name) == ("fp8_e4m3,bf16", "int4_gptq,bf16", "extras.json")
+    pd = ap.parse_args(["pd", "--out", "x"])
+    assert (pd.backend, pd.reps, pd.input_len, pd.output_len, pd.mem_fractions, pd.name) == (
+        "nixl", "1:2,64:2", 8192, 1000, "0.26,0.36,0.56", "pd.json")
+    for bad in ("0.3,0.4", "0.3,0.4,1.2", "a,b,c"):
+        with pytest.raises(SystemExit) as exc:
+            ap.parse_args(["pd", "--out", "x", "--mem-fractions", bad])
+        assert exc.value.code == 2
     r = ap.parse_args(["report"])
     assert [Path(x) for x in r.raw] == [RESULTS / "sglang_h200_raw" / d for d in ("dec01b", "dec01", "nov30")]
     assert Path(r.results) == RESULTS
@@ -519,3 +526,34 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path):
     (tmp_path / "kvguard" / "sub" / "b.py").write_text("# changed\n")
     assert common.source_digest(str(tmp_path)) != first
     assert common.source_digest() == common.source_digest()  # this checkout: stable
+
+
+def test_pd_roles_share_one_workload_and_differ_only_where_they_must(tmp_path):
+    """faultlab.sglang_gpu pd: a prefill (check) and two decode servers (off, check) on one transfer backend and
+    bootstrap port, each its own SGLang port and memory fraction; the pool holds SGLang's PD decode reserve."""
+    from faultlab.sglang_gpu import pd
+
+    a = cli.build_parser().parse_args(["pd", "--out", str(tmp_path), "--reps", "1:1,64:1", "--overrides",
+                                       '{"disable_overlap_schedule": true}'])
+    specs = pd._specs(a, "/m", 64, str(tmp_path / "t.json"))
+    assert [(n, e["KVGUARD_MODE"]) for n, e, _ in specs] == [("prefill", "check"), ("off", "off"), ("check", "check")]
+    kws = [kw for _, _, kw in specs]
+    assert [kw["disaggregation_mode"] for kw in kws] == ["prefill", "decode", "decode"]
+    assert {kw["disaggregation_transfer_backend"] for kw in kws} == {"nixl"}
+    assert {kw["disaggregation_bootstrap_port"] for kw in kws} == {a.bootstrap_port}
+    assert len({kw["port"] for kw in kws}) == 3 and a.bootstrap_port not in {kw["port"] for kw in kws}
+    assert [kw["mem_fraction_static"] for kw in kws] == [0.26, 0.36, 0.56]
+    assert [kw.get("disable_overlap_schedule", False) for kw in kws] == [False, True, True]  # --overrides: decode
+    assert kws[1]["max_total_tokens"] >= 64 * (8192 + 1000 + pd.DECODE_RESERVE)
+    assert "KVGUARD_BENCH_TIMING" in specs[2][1] and "KVGUARD_BENCH_TIMING" not in specs[1][1]
+
+
+def test_pd_tokens_equal_compares_the_first_runs_request_by_request():
+    from faultlab.sglang_gpu.pd import _tokens_equal
+
+    def run(mode, ids):
+        return {"mode": mode, "requests": [{"rid": f"c2-{mode}-0-{i}", "output_ids": x} for i, x in enumerate(ids)]}
+
+    assert _tokens_equal([run("off", [[1, 2], [3]]), run("check", [[1, 2], [4]])]) == "1/2"
+    assert _tokens_equal([run("off", [[1]]), run("check", [None])]) == "0/1"  # an aborted request is not equal
+    assert _tokens_equal([run("off", [[1]])]) == "-"
