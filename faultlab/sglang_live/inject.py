@@ -31,6 +31,8 @@ Environment
     device (:mod:`.cpu_mamba`; with ``TRITON_INTERPRET=1``); tests only.
 ``FAULTLAB_SGLANG_CPU_PD=1``
     SGLang's Mooncake prefill send path on a plain CPU device (:mod:`.cpu_pd`); tests only.
+``FAULTLAB_SGLANG_SWA_CUDA_FREE=1``
+    SGLang's CUDA branch of the SWA free (its Triton kernel) on a CPU device (:mod:`.cpu_swa`); tests only.
 ``FAULTLAB_SGLANG_PD_SLOW_SEND=<trigger>:<seconds>``, ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT=<rid prefix>``
     PD over Mooncake (:mod:`.pd_faults`): hold the prefill's next send while the trigger file exists (a transfer
     aborted in flight lands late); ``prefill_index_shift`` on the prefill server.
@@ -223,6 +225,10 @@ def register(env=None) -> bool:
         from . import cpu_pd
 
         cpu_pd.install()
+    if env.get("FAULTLAB_SGLANG_SWA_CUDA_FREE") == "1":  # (faultlab/sglang_live/cpu_swa.py: ENV_VAR)
+        from . import cpu_swa
+
+        cpu_swa.install()
     if env.get("FAULTLAB_SGLANG_PD_SLOW_SEND") or env.get("FAULTLAB_SGLANG_PD_PREFILL_SHIFT"):
         from . import pd_faults  # PD over Mooncake: a held send, a prefill-side fault
 

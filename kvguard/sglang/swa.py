@@ -296,8 +296,13 @@ class SWASide:
             if free_index.numel() == 0:
                 return original(free_index, *args, **kwargs)
             if guard._holds is None:  # the window sliding, a tree eviction, a plain release
-                self.restore(free_index)
-                return original(free_index, *args, **kwargs)
+                slots = self._page_slots(free_index)
+                self._restore(slots)
+                result = original(free_index, *args, **kwargs)
+                # NOTE: SGLang has cleared those slots' map entries; on CUDA its fused kernel
+                # (get_and_clear_swa_pages) does it without clear_full_to_swa_mapping, so the pairing is forgotten here
+                self.pair[slots] = -1
+                return result
             pages = sorted({int(s) // ps for s in free_index.tolist() if int(s) >= 0})
             legit = [p for p in pages if p in guard._holds]
             if legit:
@@ -313,14 +318,21 @@ class SWASide:
         (cleared, foreign) then frees the request's own SWA page, never slot 0 or another request's page. A few small
         device ops per call, no sync (at page size 1 the window slides, and SGLang calls this, once per request and
         step); SGLang clears those entries right after."""
-        ps, f = self.page_size, full_slots.to(self.device, torch.int64)
-        if ps > 1:  # SGLang reads and clears whole pages
-            f = ((f // ps * ps)[:, None] + torch.arange(ps, device=self.device)[None, :]).reshape(-1)
-        f = f.clamp(0, self.pair.numel() - 1)
+        self._restore(self._page_slots(full_slots))
+
+    def _restore(self, f: torch.Tensor) -> None:
+        ps = self.page_size
         peers = self.pair[f]
         pages = torch.div(peers, ps, rounding_mode="floor").clamp(min=0)
         held = (peers > 0) & (self.tags.tags[pages] == self.pair_tag[f])
         self.map[f] = torch.where(held, peers, self.map[f])
+
+    def _page_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """The slots of the full pages ``full_slots`` fall in (SGLang reads and clears whole pages), in bounds."""
+        ps, f = self.page_size, full_slots.to(self.device, torch.int64)
+        if ps > 1:
+            f = ((f // ps * ps)[:, None] + torch.arange(ps, device=self.device)[None, :]).reshape(-1)
+        return f.clamp(0, self.pair.numel() - 1)
 
     def free_peers(self, full_pages: torch.Tensor) -> None:
         """Free the SWA pages paired with ``full_pages`` (page ids, legitimately held) that still carry their pairing

@@ -16,13 +16,16 @@ kvguard error, every other request's output tokens equal the fault-free episode'
 slides every request's window (its sequences outgrow the window: out-of-window SWA pages are freed as it decodes).
 
 The engine: SGLang's Triton attention under Triton's interpreter (``TRITON_INTERPRET=1``; the torch-native backend
-does not read SWA layers through the map), one KV split, page size 1, radix cache and overlap scheduler on (SGLang's
-defaults).
+does not read SWA layers through the map), one KV split, page size 16, radix cache and overlap scheduler on (SGLang's
+defaults). SGLang frees SWA pages through its CUDA branch, as on a GPU (its ``get_and_clear_swa_pages`` kernel clears
+the map without ``clear_full_to_swa_mapping``: faultlab/sglang_live/cpu_swa.py). That is what an H100 ran when
+kvguard, following only ``clear_full_to_swa_mapping``, over-freed SWA pages; here, on the code before the fix, the
+clean episode's request got a false ``swa_mapping`` abort at page size 16 (page size 1 passed).
 
 The soak (0 false aborts over >= 1,000 clean decode steps) runs from the command line, on the same engine:
 ``FAULTLAB_SWA_SOAK=4 pytest tests/test_faultlab/test_sglang_live/test_sglang_swa.py -s`` (four more fault-free
-episodes of ~320 decode steps each; the clean test then asserts >= 1,000). ``FAULTLAB_SWA_PAGE_SIZE=16`` runs the
-same at page size 16.
+episodes of ~320 decode steps each; the clean test then asserts >= 1,000). ``FAULTLAB_SWA_PAGE_SIZE=1`` runs the
+same at page size 1.
 """
 from __future__ import annotations
 
@@ -44,12 +47,12 @@ ENGINE_TIMEOUT = 560
 CLASSES = list(SWA_FAULTS)
 WORKLOAD = {"n1": 3, "n2": 1, "prefix": 12, "new1": 20, "new2": 6}
 SOAK = {"n1": 8, "n2": 4, "new1": 200, "new2": 120, "wave2": "finished"}
-PAGE_SIZE = int(os.environ.get("FAULTLAB_SWA_PAGE_SIZE", "1"))
+PAGE_SIZE = int(os.environ.get("FAULTLAB_SWA_PAGE_SIZE", "16"))
 SPEC = {
     "log_level": "error", "page_size": PAGE_SIZE, "radix": True, "overlap": True, "model": GPT_OSS,
     "attention_backend": "triton", "workload": WORKLOAD,
     "engine": {"disable_cuda_graph": True, "triton_attention_num_kv_splits": 1},
-    "env": {"KVGUARD_MODE": "check", "TRITON_INTERPRET": "1"},
+    "env": {"KVGUARD_MODE": "check", "TRITON_INTERPRET": "1", "FAULTLAB_SGLANG_SWA_CUDA_FREE": "1"},
 }
 
 

@@ -74,9 +74,17 @@ class SWARig:
         return verdict[:, 0].tolist()
 
 
-@pytest.fixture(params=[1, 4], ids=["page1", "page4"])
-def rig(request):
-    return SWARig(request.param)
+@pytest.fixture(params=[(1, "cpu"), (4, "cpu"), (1, "cuda"), (4, "cuda")],
+                ids=["page1", "page4", "page1-cuda-free", "page4-cuda-free"])
+def rig(request, monkeypatch):
+    """``cuda-free``: SGLang's SWA free takes its CUDA branch, as on a GPU (its ``get_and_clear_swa_pages`` kernel,
+    under the Triton interpreter, zeroes the map without ``clear_full_to_swa_mapping``: faultlab/sglang_live/cpu_swa.py)."""
+    ps, branch = request.param
+    if branch == "cuda":
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator as A
+
+        monkeypatch.setattr(A, "_free_swa_pages_none_cuda", A._free_swa_pages_cuda)
+    return SWARig(ps)
 
 
 def _grown(rig: SWARig) -> SWARig:
