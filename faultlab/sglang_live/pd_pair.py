@@ -155,13 +155,15 @@ class Pair:
     """A prefill and a decode server; ``generate`` sends each request to both, as SGLang's router does."""
 
     def __init__(self, folder: str, prefill_env: dict, decode_env: dict, base_port: int = 31000,
-                 engine: dict | None = None):
-        """``engine``: sglang.Engine settings of both servers (e.g. the transfer backend; Mooncake by default)."""
+                 engine: dict | None = None, prefill_spec: dict | None = None):
+        """``engine``: sglang.Engine settings of both servers (e.g. the transfer backend; Mooncake by default);
+        ``prefill_spec``: SPEC keys of the prefill server alone (e.g. ``max_total_tokens``)."""
         from .harness import write_model
 
         model = write_model(os.path.join(folder, "model"))
         common = {"model": model, "bootstrap_port": base_port + 998, "engine": engine or {}}
-        self.prefill = Role("prefill", {**common, "port": base_port, "env": prefill_env}, folder)
+        self.prefill = Role("prefill", {**common, "port": base_port, "env": prefill_env, **(prefill_spec or {})},
+                            folder)
         # (the decode server logs warnings: SGLang's deferred-release timeout and kvguard's hold are warnings)
         self.decode = Role("decode", {**common, "port": base_port + 2000, "env": decode_env, "log_level": "warning"},
                            folder)

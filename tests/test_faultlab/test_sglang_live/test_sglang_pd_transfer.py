@@ -18,34 +18,27 @@ a room not failed; an aborted room's ack is sent once its transfer worker draine
 
 Episodes, in order: fault-free; ``prefill_index_shift`` on the prefill server; ``swapped_entries`` on the decode
 server (the injector's victims are ground truth); a transfer aborted on the decode server while the prefill holds
-its send (the write lands after the abort) with three requests decoding meanwhile; fault-free again. A backend is
+its send (the write lands after the abort) with three requests sent just before it (on an idle machine they finish
+within ~0.7 s, before the abort: what this episode always shows is the destination held until the drain ack, SGLang's
+timeout release never running, and the pools balanced after the landing); fault-free again. A backend is
 skipped only where it cannot import (Mooncake: its wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
+The same pair and faults with kvguard off, what a client gets then: test_sglang_pd_transfer_off.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import time
 
 import pytest
+from pd_transfer_pair import BACKENDS, HOLD_S, NEW, SWAP_RIDS, fault_envs, pd_prompts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
-NEW = 12
-HOLD_S = 5.0
-LONG = 120  # the running requests decode through the hold
+LONG = 120  # the requests sent before the held one (and each soak round's)
 # The soak (>= 1,000 fault-free decode steps per backend, after the episodes) runs from the command line:
 # FAULTLAB_PD_TRANSFER_SOAK=9 pytest tests/test_faultlab/test_sglang_live/test_sglang_pd_transfer.py -k soak -s
 SOAKS = int(os.environ.get("FAULTLAB_PD_TRANSFER_SOAK", "0"))  # rounds of 4 requests x LONG tokens (~120 steps each)
-# backend: (the module it needs, the pair's base port, its engine settings)
-BACKENDS = {"mooncake": ("mooncake.engine", 31000, {}),
-            "nixl": ("nixl._api", 35000, {"disaggregation_transfer_backend": "nixl"})}
-
-
-def _prompts(n: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(3, 1000) for _ in range(24 + 3 * i)] for i in range(n)]
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
@@ -56,20 +49,14 @@ def pd(request, tmp_path_factory):
     pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
     folder = str(tmp_path_factory.mktemp(f"pd_{request.param}"))
     trigger = os.path.join(folder, "hold-next-send")
-    plan = '[{"fault": "swapped_entries", "seed": 1, "rid_prefix": "swap-a", "min_candidates": 2, "step": 3, ' \
-           '"label": "swap"}]'
-    pair = Pair(folder, {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{HOLD_S}",
-                         "FAULTLAB_SGLANG_PD_PREFILL_SHIFT": "pshift-"},
-                {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_FAULTS": plan,
-                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}, base_port=port, engine=engine)
-    prompts = _prompts(5)  # the last one is the prefill fault's own (a prompt seen before is a radix hit there)
+    pair = Pair(folder, *fault_envs("check", trigger), base_port=port, engine=engine)
+    prompts = pd_prompts(5)  # the last one is the prefill fault's own (a prompt seen before is a radix hit there)
     out = {}
     try:
         out["clean"] = pair.generate([(f"clean-{i}", p, NEW) for i, p in enumerate(prompts[:4])])
         out["pshift"] = pair.generate([("pshift-4", prompts[4], NEW)] +
                                       [(f"pb-{i}", p, NEW) for i, p in enumerate(prompts[1:4], 1)])
-        rids = ["swap-a0", "swap-a1", "swap-b2", "swap-b3"]
-        out["swap"] = pair.generate([(rid, p, NEW) for rid, p in zip(rids, prompts)])
+        out["swap"] = pair.generate([(rid, p, NEW) for rid, p in zip(SWAP_RIDS, prompts)])
         time.sleep(1.0)
         out["swap_idle"] = pair.idle_checks(time.time())
         # a transfer aborted mid-flight: requests decode; the prefill holds the next send HOLD_S seconds; the decode
@@ -133,7 +120,7 @@ def test_pd_decode_fault_aborts_exactly_its_victims(pd):
     assert inject, "the injector did not strike on the decode server"
     victims = set(inject[0]["victims"])
     assert victims, inject
-    for i, rid in enumerate(["swap-a0", "swap-a1", "swap-b2", "swap-b3"]):
+    for i, rid in enumerate(SWAP_RIDS):
         r = pd["swap"][rid]
         if rid in victims:
             assert r["error"] and "kvguard" in r["error"], (rid, r)

@@ -1,0 +1,31 @@
+"""What both real-backend PD modules start their pair with: test_sglang_pd_transfer.py (kvguard on) and
+test_sglang_pd_transfer_off.py (kvguard off, the same faults). The backends, the prompts, and each server's fault
+settings (faultlab/sglang_live/pd_faults.py, faultlab/sglang_live/inject.py)."""
+from __future__ import annotations
+
+import random
+
+NEW = 12
+HOLD_S = 5.0
+# backend: (the module it needs, the pair's base port, its engine settings)
+BACKENDS = {"mooncake": ("mooncake.engine", 31000, {}),
+            "nixl": ("nixl._api", 35000, {"disaggregation_transfer_backend": "nixl"})}
+SWAP_PLAN = ('[{"fault": "swapped_entries", "seed": 1, "rid_prefix": "swap-a", "min_candidates": 2, "step": 3, '
+             '"label": "swap"}]')
+SWAP_RIDS = ["swap-a0", "swap-a1", "swap-b2", "swap-b3"]  # the i-th on prompt i; swap-a* are the candidates
+
+
+def pd_prompts(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 1000) for _ in range(24 + 3 * i)] for i in range(n)]
+
+
+def fault_envs(mode: str, trigger: str) -> tuple[dict, dict]:
+    """The prefill's and the decode's environment: kvguard's mode, and the faults each server carries (a send held
+    HOLD_S seconds once ``trigger`` exists, prefill_index_shift on rids ``pshift-*``; swapped_entries on the decode
+    server, and its deferred-release timeout shortened to 1 s)."""
+    prefill = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{HOLD_S}",
+               "FAULTLAB_SGLANG_PD_PREFILL_SHIFT": "pshift-"}
+    decode = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_FAULTS": SWAP_PLAN,
+              "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}
+    return prefill, decode
