@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mem_fraction_static of the prefill, the off and the check decode server, started in that "
                         "order (each of the memory free when it starts)")
     p.add_argument("--bootstrap-port", type=_integer(1024, 65535, "a TCP port"), default=8998)
+    p.add_argument("--switch", action="store_true",
+                   help="one decode server; its off runs bypass kvguard's hooks (in-engine A/B, no instance spread)")
     p.add_argument("--overrides", default="{}", type=_json_object,
                    help="JSON: sglang.Engine settings of both decode servers")
     p.add_argument("--prefill-overrides", default="{}", type=_json_object, help="JSON: the prefill server's settings")

@@ -61,7 +61,7 @@ def cmd_overhead(a) -> None:
         specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path,
                             interleave.INTERLEAVE_ENV: f"{a.interleave}:{a.seed}", **tp_path}, kw)]
     elif a.switch:
-        _flip(switch_path, "check")
+        flip_switch(switch_path, "check")
         specs = [("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing_path, SWITCH_ENV: switch_path, **tp_path}, kw)]
     else:
         specs = [("off", {"KVGUARD_MODE": "off"}, kw),
@@ -80,7 +80,7 @@ def cmd_overhead(a) -> None:
         first = {}
         fw = dict(n=a.first_n, input_len=a.input_len, output_len=a.first_output, seed=a.seed + 7, vocab=vocab)
         for mode in (("off", "check") if a.first_n else ()):
-            _flip(switch_path, mode)
+            flip_switch(switch_path, mode)
             r1 = workers[mode].run(tag=f"first-{mode}", **fw)
             r2 = workers[mode].run(tag=f"second-{mode}", **fw)
             first[mode] = {"first": slim(r1), "second": slim(r2)}
@@ -97,7 +97,7 @@ def cmd_overhead(a) -> None:
             # The warm-up's few decode steps make a profiler window shorter than MIN_WINDOW: not a measured run.
             one = a.switch or a.interleave
             for mode in ((("check",) if one else ("off", "check")) if a.warmup_tokens else ()):
-                _flip(switch_path, mode)
+                flip_switch(switch_path, mode)
                 w = workers[mode].run(n=c, input_len=a.input_len, output_len=a.warmup_tokens, seed=a.seed + 11,
                                       vocab=vocab, tag=f"warmup-c{c}-{mode}")
                 log(f"c={c} warm-up {mode}: {w['wall_s']:.2f} s (ttft p99 {w['ttft_p99']:.3f} s)")
@@ -109,7 +109,7 @@ def cmd_overhead(a) -> None:
                     log(f"c={c} rep={r}: skipped (budget {a.budget:.0f} s)")
                     continue
                 for mode in (("check",) if a.interleave else ("off", "check") if r % 2 == 0 else ("check", "off")):
-                    _flip(switch_path, mode)
+                    flip_switch(switch_path, mode)
                     res = workers[mode].run(n=c, input_len=a.input_len, output_len=a.output_len,
                                             seed=a.seed, vocab=vocab, tag=f"c{c}-{mode}-{r}")
                     res["mode"], res["concurrency"] = mode, c
@@ -128,7 +128,7 @@ def cmd_overhead(a) -> None:
             dump(a, a.name, result)  # keep what is measured so far
         # tiny requests after the last run, each after an idle gap: the profiler closes the last run's
         # window and writes its file at an idle boundary
-        _flip(switch_path, "check")
+        flip_switch(switch_path, "check")
         for tag in ("flush", "flush2"):
             time.sleep(1.0)
             workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag=tag)
@@ -147,7 +147,7 @@ def cmd_overhead(a) -> None:
     print_rows(result)
 
 
-def _flip(path: str | None, mode: str) -> None:
+def flip_switch(path: str | None, mode: str) -> None:
     """The in-engine switch (``--switch``): kvguard's per-step work on ("check") or off for the next run.
 
     Written while the engine is idle; the wait lets the engine's next read of the file (at most every

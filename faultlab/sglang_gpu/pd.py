@@ -10,6 +10,10 @@ prefill and the transfer the same for both. The check decode server also runs th
 (kvguard's host time per decode iteration) and every run keeps its tokens: ``tokens_equal`` per concurrency says
 whether the check server's tokens equal the off server's, request by request.
 
+``--switch``: one decode server with kvguard installed, whose "off" runs pass kvguard's hooks straight to SGLang's
+code (``overhead --switch``'s in-engine switch): no instance-to-instance difference in the ratio (two instances of
+one build differ by ~1.5-2% at c=1; the overlap-off PD run of December 6 is what it is for).
+
 ``--mem-fractions P,D,D``: SGLang sizes an engine against the memory free when it starts (its slack is that free
 memory times 1 - mem_fraction_static), so the engines started later get larger fractions of what is left.
 ``--cpu``: a dry run with the tiny model over Mooncake's TCP transport (faultlab's CPU PD shims).
@@ -25,8 +29,8 @@ from faultlab.sglang_gpu.common import (
     command_line, dump, engine_kwargs, environment, log, model_dir, parse_reps, setup_env, slim, start_engines,
     stop_all, vocab_of,
 )
-from faultlab.sglang_gpu.overhead import attach_host_time, print_rows
-from faultlab.sglang_gpu.profiler import IDLE_S, TIMING_ENV
+from faultlab.sglang_gpu.overhead import flip_switch, attach_host_time, print_rows
+from faultlab.sglang_gpu.profiler import SWITCH_ENV, TIMING_ENV
 from faultlab.sglang_gpu.workload import compare
 
 HOST = "127.0.0.1"
@@ -41,17 +45,22 @@ def cmd_pd(a) -> None:
     reps = parse_reps(a.reps)
     cmax = max(reps)
     timing = os.path.join(a.out, "kvguard_host_timing.json")
-    specs = _specs(a, model, cmax, timing)
+    switch = os.path.join(a.out, "kvguard_switch") if a.switch else None
+    specs = _specs(a, model, cmax, timing, switch)
     result = {"command": command_line(a), "environment": environment(), "backend": a.backend, "reps": reps,
+              "switch": bool(a.switch),
               "input_len": a.input_len, "output_len": a.output_len, "page_size": a.page_size,
               "engine_kwargs": {name: kw for name, _, kw in specs}}
     t_all = time.perf_counter()
-    workers = start_engines(specs, a.start_timeout)
+    flip_switch(switch, "check")
+    engines = start_engines(specs, a.start_timeout)
+    workers = {**engines, "off": engines["check"]} if a.switch else engines
     rooms = itertools.count(1)
     bootstrap = {"host": HOST, "port": a.bootstrap_port}
 
     def run(mode: str, c: int, output_len: int, seed: int, tag: str) -> dict:
         """One run through the prefill server and the ``mode`` decode server, one bootstrap room per request."""
+        flip_switch(switch, mode)  # (without --switch: an idle gap, so that the profiler ends its window)
         boot = {**bootstrap, "room": next(rooms) * 100_000}
         load = dict(n=c, input_len=a.input_len, output_len=output_len, seed=seed, vocab=vocab, bootstrap=boot)
         workers["prefill"].submit("run", {**load, "tag": tag})
@@ -63,13 +72,12 @@ def cmd_pd(a) -> None:
         return res
 
     try:
-        result["engines"] = {n: w.info for n, w in workers.items()}
+        result["engines"] = {n: w.info for n, w in engines.items()}
         rows, all_runs, skipped = [], [], []
         for c in sorted(reps):
             for mode in ("off", "check") if a.warmup_tokens else ():
                 w = run(mode, c, a.warmup_tokens, a.seed + 11, f"warmup-c{c}-{mode}")
                 log(f"c={c} warm-up {mode}: {w['wall_s']:.2f} s, errors {w['errors']} (prefill {w['prefill_errors']})")
-                time.sleep(2 * IDLE_S)
             runs = []
             for r in range(reps[c]):
                 est = 2.2 * runs[-1]["wall_s"] if runs else 0.0
@@ -85,7 +93,6 @@ def cmd_pd(a) -> None:
                         f"{1e3 * res['itl_p50']:.3f} ms p99 {1e3 * res['itl_p99']:.3f} ms  ttft p99 "
                         f"{res['ttft_p99']:.3f} s  wall {res['wall_s']:.2f} s  errors {res['errors']} "
                         f"(prefill {res['prefill_errors']})")
-                    time.sleep(2 * IDLE_S)  # an idle gap: the profiler ends its window (one per run)
             row = {"concurrency": c, "input_len": a.input_len, "output_len": a.output_len, "backend": a.backend,
                    "overlap": not json.loads(a.overrides).get("disable_overlap_schedule", False),
                    "tokens_equal": _tokens_equal(runs), **(compare(runs) if runs else {})}
@@ -101,7 +108,7 @@ def cmd_pd(a) -> None:
             time.sleep(1.0)
             run("check", 1, 4, a.seed, tag)
     finally:
-        stop_all(workers)
+        stop_all(engines)
     try:
         with open(timing) as f:
             result["host_timing"] = json.load(f)
@@ -115,8 +122,9 @@ def cmd_pd(a) -> None:
         raise SystemExit(1)  # a run that measured nothing, or served errors, does not pass
 
 
-def _specs(a, model: str, cmax: int, timing: str) -> list[tuple[str, dict, dict]]:
-    """(name, environment, sglang.Engine settings) of the prefill server and the two decode servers."""
+def _specs(a, model: str, cmax: int, timing: str, switch: str | None = None) -> list[tuple[str, dict, dict]]:
+    """(name, environment, sglang.Engine settings) of the prefill server and the two decode servers (``switch``:
+    the one decode server, "check", with the in-engine switch's file)."""
     fractions = [float(x) for x in a.mem_fractions.split(",")]
     role = dict(disaggregation_transfer_backend=a.backend, disaggregation_bootstrap_port=a.bootstrap_port)
     # NOTE: a PD decode server admits a request only with SGLang's decode reserve (num_reserved_decode_tokens, 512)
@@ -130,7 +138,9 @@ def _specs(a, model: str, cmax: int, timing: str) -> list[tuple[str, dict, dict]
         base_env.update(BASE_ENV)
     specs = []
     roles = (("prefill", {"KVGUARD_MODE": "check"}), ("off", {"KVGUARD_MODE": "off"}),
-             ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing}))
+             ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing, **({SWITCH_ENV: switch} if switch else {})}))
+    if switch:  # one decode server; it gets the off server's memory fraction (it starts second)
+        roles, fractions = (roles[0], roles[2]), fractions[:2]
     for i, ((name, env), frac) in enumerate(zip(roles, fractions)):
         decode = name != "prefill"
         # NOTE: each server its own SGLang port (its PD endpoints are derived from it), as pd_pair's servers have

@@ -546,6 +546,10 @@ def test_pd_roles_share_one_workload_and_differ_only_where_they_must(tmp_path):
     assert [kw.get("disable_overlap_schedule", False) for kw in kws] == [False, True, True]  # --overrides: decode
     assert kws[1]["max_total_tokens"] >= 64 * (8192 + 1000 + pd.DECODE_RESERVE)
     assert "KVGUARD_BENCH_TIMING" in specs[2][1] and "KVGUARD_BENCH_TIMING" not in specs[1][1]
+    one = pd._specs(a, "/m", 64, str(tmp_path / "t.json"), switch=str(tmp_path / "sw"))  # --switch: one decode server
+    assert [(n, e["KVGUARD_MODE"]) for n, e, _ in one] == [("prefill", "check"), ("check", "check")]
+    assert one[1][1]["KVGUARD_BENCH_SWITCH"] == str(tmp_path / "sw") and "KVGUARD_BENCH_SWITCH" not in one[0][1]
+    assert [kw["mem_fraction_static"] for _, _, kw in one] == [0.26, 0.36]
 
 
 def test_pd_tokens_equal_compares_the_first_runs_request_by_request():
