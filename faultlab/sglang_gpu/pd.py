@@ -32,6 +32,7 @@ from faultlab.sglang_gpu.common import (
 from faultlab.sglang_gpu.overhead import flip_switch, attach_host_time, print_rows
 from faultlab.sglang_gpu.profiler import SWITCH_ENV, TIMING_ENV
 from faultlab.sglang_gpu.workload import compare
+from faultlab.sglang_live.plan import ENV_LOG
 
 HOST = "127.0.0.1"
 DECODE_RESERVE = 512  # SGLang's num_reserved_decode_tokens (its default)
@@ -149,7 +150,9 @@ def _specs(a, model: str, cmax: int, timing: str, switch: str | None = None) -> 
                            port=a.bootstrap_port + 1000 * (i + 1), **role,
                            **({} if a.cpu else {"mem_fraction_static": frac}))
         kw.update(json.loads(a.overrides if decode else a.prefill_overrides))
-        specs.append((name, {**base_env, **env}, kw))
+        # (--cpu: faultlab's CPU shims log their accounting checks; into --out, not the working directory)
+        log_file = {ENV_LOG: os.path.join(a.out, f"faultlab_{name}.jsonl")} if a.cpu else {}
+        specs.append((name, {**base_env, **env, **log_file}, kw))
     return specs
 
 
