@@ -23,6 +23,23 @@ torch.set_num_threads(1)
 # register it in every pytest run there); this is how a project that uses it turns it on.
 pytest_plugins = ["faultlab.testing.pytest_plugin"]
 
+# Files that start live engines or servers (module-scoped fixtures; about a minute or more each on 2 cores).
+ENGINE_FILES = ("test_sglang_live/", "test_http_server.py", "test_engine/test_tp")
+
+
+def pytest_configure(config):
+    # NOTE: pytest-xdist's --dist loadfile hands out whole files, by default the files with the most tests first:
+    # the live-engine files, a few tests each, came last, where a long one leaves the other worker idle. In collection
+    # order (pytest_collection_modifyitems below: engine files first) the short files fill the end instead.
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """The engine files first (a stable sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: not any(part in item.nodeid for part in ENGINE_FILES))
+
+
 _LOADER_RESULT = None
 
 
