@@ -134,12 +134,7 @@ def cmd_overhead(a) -> None:
             workers["check"].run(n=1, input_len=16, output_len=4, seed=a.seed, vocab=vocab, tag=tag)
     finally:
         stop_all(engines)
-    try:
-        with open(timing_path) as f:
-            result["host_timing"] = json.load(f)
-    except OSError as e:
-        result["host_timing"] = {"error": str(e)}
-    attach_host_time(result)
+    read_host_timing(result, timing_path)
     if a.interleave:
         attach_interleaved(result)
     result["total_s"] = time.perf_counter() - t_all
@@ -164,6 +159,16 @@ def flip_switch(path: str | None, mode: str) -> None:
 
 
 MIN_WINDOW = 10  # decode iterations: shorter windows are the flush requests, not a measured run
+
+
+def read_host_timing(result: dict, path: str) -> None:
+    """The check engine's profiler file (``kvguard_host_timing.json``) into ``result``, and each row's host time."""
+    try:
+        with open(path) as f:
+            result["host_timing"] = json.load(f)
+    except OSError as e:
+        result["host_timing"] = {"error": str(e)}
+    attach_host_time(result)
 
 
 def attach_host_time(result: dict) -> None:

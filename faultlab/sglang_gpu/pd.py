@@ -29,7 +29,7 @@ from faultlab.sglang_gpu.common import (
     command_line, dump, engine_kwargs, environment, log, model_dir, parse_reps, setup_env, slim, start_engines,
     stop_all, vocab_of,
 )
-from faultlab.sglang_gpu.overhead import flip_switch, attach_host_time, print_rows
+from faultlab.sglang_gpu.overhead import flip_switch, print_rows, read_host_timing
 from faultlab.sglang_gpu.profiler import SWITCH_ENV, TIMING_ENV
 from faultlab.sglang_gpu.workload import compare
 from faultlab.sglang_live.plan import ENV_LOG
@@ -110,12 +110,7 @@ def cmd_pd(a) -> None:
             run("check", 1, 4, a.seed, tag)
     finally:
         stop_all(engines)
-    try:
-        with open(timing) as f:
-            result["host_timing"] = json.load(f)
-    except OSError as e:
-        result["host_timing"] = {"error": str(e)}
-    attach_host_time(result)
+    read_host_timing(result, timing)
     result["total_s"] = time.perf_counter() - t_all
     dump(a, a.name, result)
     print_rows(result)
