@@ -3,7 +3,10 @@ test_sglang_pd_transfer_off.py (kvguard off, the same faults). The backends, the
 settings (faultlab/sglang_live/pd_faults.py, faultlab/sglang_live/inject.py)."""
 from __future__ import annotations
 
+import os
 import random
+
+import pytest
 
 NEW = 12
 HOLD_S = 5.0
@@ -29,3 +32,17 @@ def fault_envs(mode: str, trigger: str) -> tuple[dict, dict]:
     decode = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_FAULTS": SWAP_PLAN,
               "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}
     return prefill, decode
+
+
+def start_pair(backend: str, tmp_path_factory, mode: str, port_shift: int = 0, prefill_spec: dict | None = None):
+    """The pair on ``backend`` (skipped where its transfer engine does not import), both servers ``KVGUARD_MODE=mode``
+    with the faults of :func:`fault_envs`: (pair, its folder, the held-send trigger file)."""
+    from faultlab.sglang_live.pd_pair import Pair
+
+    module, port, engine = BACKENDS[backend]
+    pytest.importorskip(module, reason=f"{backend}'s transfer engine does not import here")
+    folder = str(tmp_path_factory.mktemp(f"pd_{mode}_{backend}"))
+    trigger = os.path.join(folder, "hold-next-send")
+    pair = Pair(folder, *fault_envs(mode, trigger), base_port=port + port_shift, engine=engine,
+                prefill_spec=prefill_spec)
+    return pair, folder, trigger

@@ -39,7 +39,7 @@ import re
 import time
 
 import pytest
-from pd_transfer_pair import BACKENDS, HOLD_S, NEW, SWAP_RIDS, fault_envs, pd_prompts
+from pd_transfer_pair import BACKENDS, HOLD_S, NEW, SWAP_RIDS, pd_prompts, start_pair
 
 from faultlab.sglang_live.pd_pair import Pair
 
@@ -79,12 +79,8 @@ def _late(pair: Pair, folder: str, trigger: str, prompt: list[int]) -> dict:
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def pd_off(request, tmp_path_factory):
-    module, port, engine = BACKENDS[request.param]
-    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
-    folder = str(tmp_path_factory.mktemp(f"pd_off_{request.param}"))
-    trigger = os.path.join(folder, "hold-next-send")
-    pair = Pair(folder, *fault_envs("off", trigger), base_port=port + PORT_SHIFT, engine=engine,
-                prefill_spec={"max_total_tokens": PREFILL_TOKENS})
+    pair, folder, trigger = start_pair(request.param, tmp_path_factory, "off", PORT_SHIFT,
+                                       {"max_total_tokens": PREFILL_TOKENS})
     prompts = pd_prompts(5)  # the last one is the prefill fault's own
     out = {}
     try:
