@@ -1,4 +1,8 @@
 """Reading the records of a live SGLang engine run (faultlab.sglang_live.harness), shared by the live tests."""
+import json
+import random
+import socket
+
 import pytest
 
 
@@ -70,3 +74,43 @@ def engine_run(name: str, what: str, rc: int, result: dict | None, stderr: str) 
         ln for ln in stderr.splitlines()[-40:] if "Error" in ln or "kvguard" in ln)}
     return {"name": name, "episodes": episodes_with_steps(result["episodes"]), "deaths": deaths,
             "events": result.get("events", []), "stderr": stderr, "startup_s": result["startup_s"]}
+
+
+def dp_plan(episodes: list) -> str:
+    """A DP-attention engine's fault plan, armed per scheduler process: each DP rank's injector sees its own requests
+    only (the DP controller sends them round robin), so an entry arms once 2 of them decode, not all of wave 1. An
+    episode's ``tp_rank`` (optional) names the one process it strikes in (faultlab/sglang_live/inject.py)."""
+    return json.dumps([{"fault": e["fault"] or "none", "seed": e.get("seed", 0), "rid_prefix": f"{e['label']}-a",
+                        "reuser_prefix": f"{e['label']}-b", "min_candidates": 2, "min_reusers": 1,
+                        "label": e["label"], "tp_rank": e.get("tp_rank")} for e in episodes])
+
+
+def decoding_ranks(run: dict) -> set:
+    """The scheduler processes that decoded (the injector's ``decoding`` lines carry their pid)."""
+    return {e["pid"] for e in run["events"] if e["event"] == "decoding"}
+
+
+def assert_balanced_on_every_rank(run: dict, after: float) -> None:
+    """Each scheduler process's SGLang idle accounting, every check it logged after ``after`` (its own pools), is
+    balanced."""
+    for pid in decoding_ranks(run):
+        checks = [e for e in run["events"] if e["event"] == "idle_check" and e["pid"] == pid and e["time"] > after]
+        assert checks, f"rank pid {pid}: no idle accounting check logged after {after}"
+        bad = [e for e in checks if not e["balanced"]]
+        assert bad == [], f"rank pid {pid}: SGLang's pool accounting: {bad}"
+
+
+def dp_port() -> int:
+    """A ``port`` for a DP-attention engine: SGLang derives its TCP ports from it (port + 233 ..., the ZMQ channels
+    between its DP controller and ranks), so two such engines started at once on the default port collide ("Address
+    already in use"). A random base whose derived range binds now."""
+    for _ in range(200):
+        port = random.randrange(20000, 40000)
+        try:
+            for p in range(port + 233, port + 245):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port range for a DP-attention engine")

@@ -16,7 +16,9 @@ Environment
     need a reuser; default: any request that is not a candidate), ``step`` (decode step of the
     candidates at which the entry arms; default: drawn from the seed in 2..6), ``min_candidates``
     (default 2), ``min_reusers`` (late_transfer_write: reusers that must decode; default 1), ``label``
-    (free text copied into the log). Each entry fires once.
+    (free text copied into the log), ``tp_rank`` (the entry arms and strikes only in the scheduler process of
+    this SGLang TP rank, e.g. one attention-TP rank of one DP rank: rank ``d * attn_tp_size + t`` under DP
+    attention; every process still logs ``decoding``; default: every rank). Each entry fires once.
 ``FAULTLAB_SGLANG_SEED``
     Seed for the comma-separated form (default 0).
 ``FAULTLAB_SGLANG_LOG``
@@ -56,8 +58,9 @@ Environment
     counts, the number of duplicate pages in the allocator's free list, and what the scheduler ran so far
     (``decode_steps``; ``chunk_continuations``: extends of a request that already held KV, i.e. a chunked
     prefill's later chunks; ``mixed_batches``: prefill batches mixed with the running decodes); and every
-    request SGLang retracts (``ScheduleBatch.retract_decode``) as ``{"event": "retract", "rid", "label", "aborted"}``.
-    Implied by a fault plan.
+    request SGLang retracts (``ScheduleBatch.retract_decode``) as ``{"event": "retract", "rid", "label", "aborted"}``,
+    and every request finished through SGLang's ``prepare_abort`` (kvguard's aborts and SGLang's own) as
+    ``{"event": "abort", "rid", "label", "message"}``. Implied by a fault plan.
 
 When the faults strike
 ----------------------
@@ -152,8 +155,10 @@ requests on one ``req_to_token`` row (a stale row still scheduled next to its ne
 Log lines (one JSON object each): ``{"event": "inject", "fault", "seed", "label", "step", "victims":
 [rid...], "rows", "pages", "entries", "page_size", "time"}``; ``decoding`` (a first candidate is in a
 decode batch: its prompt is in the radix tree now, so a driver can send the others to share its prefix
-pages); ``armed``, ``owner``, ``victim``, ``idle_check``; ``pools`` (once, at the first decode step: the KV
-pool's and the allocator's class names); ``transfer`` (the PD writer wrote a request's prompt KV: ``rid``,
+pages); ``armed``, ``owner``, ``victim``, ``idle_check``, ``retract``, ``abort``; ``pools`` (once, at the first
+decode step: the KV pool's and the allocator's class names, and the process's ranks: ``tp_rank``, ``attn_tp_ranks``
+(SGLang's attention-TP group) and ``kvguard_agrees_with`` (the ranks of kvguard's verdict agreement; [] for one
+rank, None where kvguard has not looked them up)); ``transfer`` (the PD writer wrote a request's prompt KV: ``rid``,
 ``row``, ``fill_len``, ``pages``, ``ticket``); ``restored`` (stale_batch_row undone); ``skipped`` when a
 fault found nothing to corrupt (e.g. no private page).
 
@@ -196,6 +201,7 @@ TARGETS = {
                        "SchedulerInvariantChecker._check_all_pools",
     "retract_decode": f"{_SRT}.managers.schedule_batch.ScheduleBatch.retract_decode",
     "process_input_requests": f"{_SRT}.managers.scheduler.Scheduler.process_input_requests",
+    "prepare_abort": f"{_SRT}.disaggregation.utils.prepare_abort",
 }
 
 
@@ -258,6 +264,7 @@ def register(env=None) -> bool:
         HookRegistry.register(TARGETS["check_all_pools"], _after_check_all_pools, HookType.AFTER)
         HookRegistry.register(TARGETS["retract_decode"], _after_retract_decode, HookType.AFTER)
         HookRegistry.register(TARGETS["process_input_requests"], _after_process_input_requests, HookType.AFTER)
+        HookRegistry.register(TARGETS["prepare_abort"], _after_prepare_abort, HookType.AFTER)
     if plan:
         HookRegistry.register(TARGETS["prepare_for_decode"], strikes.before_prepare_for_decode, HookType.BEFORE)
         HookRegistry.register(TARGETS["alloc_for_extend"], strikes.around_alloc_for_extend, HookType.AROUND)
@@ -308,6 +315,11 @@ def _after_retract_decode(result, batch, *args, **kwargs):
     retracted, _, aborted = result
     for req in list(retracted) + list(aborted):  # one line per request, under its episode's label
         log("retract", rid=str(req.rid), label=label_of(str(req.rid)), aborted=req in aborted)
+    return None
+
+
+def _after_prepare_abort(result, req, error_message, *args, **kwargs):
+    log("abort", rid=str(req.rid), label=label_of(str(req.rid)), message=str(error_message)[:200])
     return None
 
 

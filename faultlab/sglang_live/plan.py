@@ -65,6 +65,7 @@ class Entry:
     min_candidates: int = 2
     min_reusers: int = 1  # late_transfer_write: reusers that must decode before it strikes
     label: str = ""
+    tp_rank: int | None = None  # arms only in the scheduler process of this SGLang TP rank (None: in every one)
     # runtime state
     decoding: bool = False  # a candidate reached a decode batch (logged once: a driver's cue)
     armed: bool = False
@@ -111,14 +112,15 @@ def parse_plan(text: str, seed: int | str = 0) -> list[Entry]:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"{ENV_FAULTS}: not valid JSON ({exc})") from None
-        keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "min_reusers", "label"}
+        keys = {"fault", "seed", "rid_prefix", "reuser_prefix", "step", "min_candidates", "min_reusers", "label",
+                "tp_rank"}
         if not isinstance(raw, list):
             raise PlanError(f"{ENV_FAULTS}: a JSON list of entries is expected, got {type(raw).__name__}")
         entries = []
         for item in raw:
             if not isinstance(item, dict) or set(item) - keys or "fault" not in item:
                 raise PlanError(f"{ENV_FAULTS}: entry {item!r}: needs 'fault'; allowed keys are {sorted(keys)}")
-            for key in ("seed", "step", "min_candidates", "min_reusers"):
+            for key in ("seed", "step", "min_candidates", "min_reusers", "tp_rank"):
                 if item.get(key) is not None and (not isinstance(item[key], int) or isinstance(item[key], bool)
                                                   or item[key] < 0):
                     raise PlanError(f"{ENV_FAULTS}: entry {item!r}: {key} must be an integer >= 0")

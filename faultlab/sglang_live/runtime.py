@@ -23,6 +23,7 @@ class State:
     decode_steps = 0  # decode batches prepared in this process (reported on idle_check lines)
     chunk_continuations = 0  # extends of a request that already held KV (a chunked prefill's next chunk)
     mixed_batches = 0  # prefill batches that took the running decode requests in (ScheduleBatch.mix_with_running)
+    tp_rank: int | None = None  # SGLang's TP rank of this process, once an entry naming one asked (strike_tools.here)
     # PD decode, faultlab's prefill writer (faultlab/sglang_live/pd.py): rid -> the transfer it wrote
     # (the writer's own record: row, slots, tokens, kvguard's ticket), kept after the request finished
     transfers: dict = {}

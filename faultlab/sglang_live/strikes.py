@@ -12,7 +12,8 @@ from .path_strikes import _strike_spec, _strike_state_index, _strike_state_reuse
 from .plan import (ABORT_CONTROL, CONTROL, DECODE_FAULTS, MAMBA_FAULTS, PD_FAULTS, REUSER_FAULTS, ROW_FAULTS,
                    SPEC_FAULTS, SWA_FAULTS, Entry)
 from .runtime import State, label_of, log
-from .strike_tools import _free_to_head, _log_inject, _num_pages, _page_size, _row, _seq_len, _written_pages
+from .strike_tools import (_free_to_head, _log_inject, _num_pages, _page_size, _row, _seq_len, _written_pages, here,
+                          ranks)
 
 
 def before_prepare_for_decode(batch, *args, **kwargs):
@@ -22,7 +23,7 @@ def before_prepare_for_decode(batch, *args, **kwargs):
     if State.decode_steps == 1:  # what this engine runs on, once (a test names the path it exercised)
         allocator = batch.token_to_kv_pool_allocator
         log("pools", kv_pool=type(allocator.get_kvcache()).__name__, allocator=type(allocator).__name__,
-            page_size=_page_size(batch))
+            page_size=_page_size(batch), **ranks())
     for entry in State.plan:
         if entry.clobbered:
             _restore_rows(entry, batch)
@@ -48,7 +49,8 @@ def before_prepare_for_decode(batch, *args, **kwargs):
             log("decoding", fault=entry.fault, seed=entry.seed, label=entry.label)
         cands = sorted((r for r in batch.reqs if entry.is_candidate(r) and not r.finished()
                         and r.kv.req_pool_idx is not None), key=lambda r: str(r.rid))
-        if len(cands) < entry.min_candidates or min(len(r.output_ids) for r in cands) < entry.step:
+        if len(cands) < entry.min_candidates or min(len(r.output_ids) for r in cands) < entry.step \
+                or not here(entry):
             continue
         entry.armed, entry.candidates = True, cands
         log("armed", fault=entry.fault, seed=entry.seed, label=entry.label, step=entry.step,

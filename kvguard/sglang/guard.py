@@ -71,6 +71,9 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
     # through a runner kvguard hooks: kvguard.sglang.graphs); otherwise launched as the batch is prepared.
     defer: bool = False
     swa: Any = None  # a sliding-window hybrid's SWA namespace (kvguard.sglang.swa.SWASide): checked after each launch
+    # Attention TP: a side check launched right before a check's verdict is agreed, ``fold(pending, table_rows)`` ->
+    # its per-request flags (int32 [n], device), folded into the agreement (kvguard.sglang.mamba); None: none
+    fold: Any = None
 
     def __init__(self, *args, **kwargs):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -97,9 +100,10 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
         and the per-request verdict into a device buffer read only when that cell says so.
 
         ``agreement`` (attention TP of two or more ranks: their :class:`kvguard.sglang.agree.VerdictAgreement`):
-        the ranks agree on the stream, with one MAX all-reduce of the verdict (stale requests counted in), copied
-        to the host beside the flag; no CPU collective per step. A decode step's check is armed and fired as on one rank
-        (no graph carries it: :meth:`fire` all-reduces right after its launch, :meth:`VerdictRing.agree`).
+        the ranks agree on the stream, with one MAX all-reduce of the verdict (stale requests and the side check's
+        flags, :attr:`fold`, counted in), copied to the host beside the flag; no CPU collective per step. A decode
+        step's check is armed and fired as on one rank (no graph carries it: :meth:`fire` all-reduces right after its
+        launch, :meth:`VerdictRing.agree`).
 
         ``out``: the batch's write slots (default ``batch.out_cache_loc``); ``ahead``: tokens the batch's lengths
         do not count yet (1 for a decode step armed inside its prepare_for_decode, before SGLang counts the step's
@@ -140,15 +144,16 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
                            guard=guard, flag=ring.flag_cells[slot], stamp=stamp)
         if guard is not None and any_stale:
             apply_guard(guard, self.to_device(stale, torch.bool))
-        agreed = None if agreement is None else \
-            ring.agree(slot, check.verdict.numel(), len(batch.reqs), stale if any_stale else None, agreement)
+        pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, None, None, rows_.owner_dev,
+                          batch.req_pool_indices, any_stale=any_stale)
+        if agreement is not None:
+            pending.agreed = ring.agree(slot, check.verdict.numel(), len(batch.reqs), stale if any_stale else None,
+                                        agreement, self._side(pending, batch.req_pool_indices))
         ring.copy_flag(slot)
         # NOTE: everything above is on the stream before the forward; resolve() reads it after SGLang's own
         # wait for the forward's sampled ids (copy_done, the overlap scheduler's). A scheduler whose results
         # carry none (no overlap) gets an event per check instead (VerdictRing.use_events, set by resolve).
-        ready = ring.record(slot) if ring.use_events else None
-        pending = Pending(self, check, list(batch.reqs), slot, stamp, stale, agreed, None, rows_.owner_dev,
-                          batch.req_pool_indices, ready, any_stale=any_stale)
+        pending.ready = ring.record(slot) if ring.use_events else None
         batch._kvguard = pending
         return pending
 
@@ -196,10 +201,15 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
         self.tracker.count_check(total)
         if pending.group is not None:  # attention TP: every rank fires this step's check; all agree on it
             pending.agreed = ring.agree(slot, pending.cells, len(pending.reqs),
-                                        pending.stale if pending.any_stale else None, pending.group)
+                                        pending.stale if pending.any_stale else None, pending.group,
+                                        self._side(pending, table_rows))
         ring.copy_flag(slot)
         pending.slot, pending.stamp = slot, stamp
         pending.ready = ring.record(slot) if ring.use_events else None
+
+    def _side(self, pending: Pending, table_rows) -> torch.Tensor | None:
+        """Attention TP, right before ``pending``'s verdict is agreed: the side check's flags to fold in, or None."""
+        return None if self.fold is None else self.fold(pending, table_rows)
 
     def fire_armed(self, forward_batch) -> None:
         """An eager decode forward is about to run: launch the armed check on its tensors."""

@@ -20,17 +20,23 @@ the hybrid backend when the forward starts). Its full-attention layers' pages ar
   discarded at prefill) through the guard, alone.
 - **Safe release.** An aborted or retracted request whose slot was handed to another request since does not free it
   (``HybridReqToTokenPool.free_mamba_cache``, AROUND): the slot stays with its new holder and the pool balances.
+- **Attention TP.** Each rank checks its own table and slots; every rank must abort the same requests (ranks that ran
+  different batches would hang). A check whose KV verdict the ranks agree on the device is launched right before
+  that agreement (the guard's ``fold``), and its flags are MAXed into each request's first cell of the all-reduced
+  verdict (``VerdictRing.agree``): no collective of its own, no host sync. A flagged request is aborted on every
+  rank; the rank that saw it says why, the others that a peer flagged it; each releases it safely (above).
 
 NOTE (cost): one extra launch per forward (a few hundred bytes read), one async copy of B int32 to pinned memory
-and one event; the per-composition expectation tensors are built once (a stack of B device scalars) when the
-batch's requests change. Measured on an H100 (``python bench/state_check_gpu.py``, bench/results/
-state_check_h100.json): 22 us of host time per direct launch at any batch size 1..512 (a torch ``add_`` there:
-11). A decode step captured into a CUDA graph loses the captured check's no-wait fast path (its verdict is read
-after this check's event): its effect on a served model's ITL is not measured yet.
+and one event (attention TP: two small launches more, folding it into the agreed verdict); the per-composition
+expectation tensors are built once (a stack of B device scalars) when the batch's requests change. Measured on an
+H100 (``python bench/state_check_gpu.py``, bench/results/state_check_h100.json): 22 us of host time per direct
+launch at any batch size 1..512 (a torch ``add_`` there: 11). A decode step captured into a CUDA graph loses the
+captured check's no-wait fast path (its verdict is read after this check's event): its effect on a served model's
+ITL is not measured yet.
 
 Not followed, and refused by the registry (kvguard.sglang.paths): the radix tree's own state slots (SGLang's mamba
 component of UnifiedRadixCache) and the extra-buffer tracking slots, speculative decoding's intermediate state,
-virtual slot ids (the unified memory pool), tensor parallelism (the verdict is not agreed across ranks).
+virtual slot ids (the unified memory pool).
 
 Only functions of this module import SGLang, and only when they run.
 """
@@ -98,11 +104,12 @@ class StateFollower:
         self.events = [torch.cuda.Event() for _ in range(RING)] if cuda else None
         self.turn = 0
         self.version = 0  # bumped on every record (what a composition's expectation depends on)
-        self.open: dict[int, tuple] = {}  # id(pending) -> (pending, ring slot, n): launched, verdict unread
+        # id(pending) -> (pending, ring slot, n, folded into its agreed KV verdict): launched, verdict unread
+        self.open: dict[int, tuple] = {}
         self.kept = 0  # slots an aborted request did not free (handed to another request since)
         self._wrap_guard(guard)
         allocator._kvguard_mamba = pool._kvguard_mamba = self
-        guard.mamba = self
+        guard.mamba, guard.fold = self, self.fold
         log.info("kvguard: following %d recurrent-state slots (%s)", int(allocator.size),
                  type(pool.mamba_pool).__name__)
 
@@ -143,8 +150,9 @@ class StateFollower:
         return slots, gens
 
     # -- the check -----------------------------------------------------------------------------
-    def launch(self, pending, rows: torch.Tensor) -> None:
-        """Right beside ``pending``'s KV check, before the forward: check the state slots it reads at ``rows``."""
+    def launch(self, pending, rows: torch.Tensor, folded: bool = False) -> None:
+        """Right beside ``pending``'s KV check, before the forward: check the state slots it reads at ``rows``
+        (``folded``: its flags go into the agreed KV verdict, :meth:`fold`)."""
         if pending is None or id(pending) in self.open:
             return
         n = len(pending.reqs)
@@ -161,14 +169,21 @@ class StateFollower:
                 self.events[k].record()
         if len(self.open) >= RING:  # a check whose batch never reached its result (dropped): forgotten
             self.open.pop(next(iter(self.open)))
-        self.open[id(pending)] = (pending, k, n)
+        self.open[id(pending)] = (pending, k, n, folded)
+
+    def fold(self, pending, rows: torch.Tensor) -> torch.Tensor:
+        """Attention TP (the guard's ``fold``, right before ``pending``'s KV verdict is agreed): its state check
+        launched now, at ``rows``; its flags (int32 [n], device), which the agreement folds in."""
+        self.launch(pending, rows, folded=True)
+        _, k, n, _ = self.open[id(pending)]
+        return self.bad[k][:n]
 
     def flagged(self, pending) -> list[tuple]:
         """(req, message, False) for each request of ``pending`` whose state slot is not its own; [] when none."""
         entry = self.open.pop(id(pending), None)
         if entry is None or entry[0] is not pending:
             return []
-        _, k, n = entry
+        _, k, n, _ = entry
         if self.events is not None:
             self.events[k].synchronize()  # recorded right after the check: long done when the forward's ids are in
         bad = self.host_np[k][:n]
@@ -219,8 +234,14 @@ class StateFollower:
 
         def _resolve(pending, group=None, *args, **kwargs):
             flagged = resolve(pending, group, *args, **kwargs)
+            entry = self.open.get(id(pending))
+            if entry is not None and entry[3]:  # attention TP: the agreed verdict carried this check's flags
+                if not flagged:  # nothing flagged on any rank, this check's flags included
+                    del self.open[id(pending)]
+                    return flagged
+                return self._own_cause(flagged, self.flagged(pending))
             mine = self.flagged(pending)
-            if group is not None:  # attention TP (refused by the registry): every rank drops the same requests
+            if group is not None:  # a verdict not agreed on the device: every rank drops the same requests
                 mine = self._agree(pending, mine, group)
             if not mine:
                 return flagged
@@ -228,6 +249,13 @@ class StateFollower:
             return flagged + [item for item in mine if id(item[0]) not in have]
 
         guard.launch, guard.fire, guard.graph_step, guard.resolve = _launch, _fire, _graph_step, _resolve
+
+    @staticmethod
+    def _own_cause(flagged: list, mine: list) -> list:
+        """The agreed ``flagged`` (req, message, stale), with this rank's own message for a request whose state check
+        failed here (a stale row keeps its item: its release must not touch the row)."""
+        here = {id(item[0]): item for item in mine}
+        return [item if item[2] else here.get(id(item[0]), item) for item in flagged]
 
     @staticmethod
     def _agree(pending, mine: list, group) -> list:

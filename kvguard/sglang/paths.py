@@ -227,9 +227,15 @@ PATHS: tuple[Path, ...] = (
     Path("hybrid_linear_speculative", REFUSED, "a hybrid linear-attention model with speculative_algorithm set",
          "the verify forward's intermediate state slots (MambaPool.SpeculativeState) and their copy-back are not "
          "followed", "", lambda f: f.hybrid_linear and f.speculative_algorithm is not None),
-    Path("hybrid_linear_tensor_parallel", REFUSED, "a hybrid linear-attention model with tp_size > 1",
-         "the state check's verdict is not agreed across the ranks (a rank could drop a request its peers run)", "",
-         lambda f: f.hybrid_linear and f.tp_size > 1),
+    Path("hybrid_linear_tensor_parallel", CHECKED, "a hybrid linear-attention model with tp_size > 1",
+         "each rank checks its own recurrent-state table and slots; the state check is launched right before the KV "
+         "check's verdict is agreed and its per-request flags are MAXed into that verdict ahead of the ranks' one "
+         "device all-reduce (no collective of its own, no host sync), so every rank aborts (or discards at prefill) "
+         "the same requests, each releasing its slot safely: a slot handed on since is not freed "
+         "(kvguard/sglang/mamba.py, VerdictRing.agree). Shown on 2 gloo ranks on the CPU (SGLang's "
+         "HybridReqToTokenPool with mamba2 and GDN state, the fault on one rank); the NCCL agreement on GPUs is "
+         "tensor_parallel's, not run with a hybrid model",
+         "tests/test_kvguard/test_sglang/test_sglang_mamba_tp.py", lambda f: f.hybrid_linear and f.tp_size > 1),
     Path("dp_attention", CHECKED, "attn_dp_size > 1 with tp_size == attn_dp_size (one attention-TP rank per DP "
          "rank: --tp N --dp N --enable-dp-attention, or --tp N --attn-dp-size N)",
          "each attention-DP rank (a scheduler process) checks its own requests on its own pools, as one server does; "
@@ -241,12 +247,16 @@ PATHS: tuple[Path, ...] = (
          "under DP attention",
          "tests/test_faultlab/test_sglang_live/test_sglang_dp_attention.py",
          lambda f: f.dp_attention and f.tp_size <= f.attn_dp_size),
-    Path("dp_attention_attn_tp", REFUSED, "attn_dp_size > 1 with tp_size > attn_dp_size (attention TP inside each "
-         "DP rank, e.g. --tp 8 --dp 4 --enable-dp-attention)",
-         "the attention-TP ranks of one DP rank share its batch, and their verdicts would agree over SGLang's "
-         "attention-TP group (the tensor_parallel agreement); a CPU run (tp_size=4, attn_dp_size=2) served and "
-         "aborted a fault that both of a DP rank's TP ranks saw, but a fault on one of them only is not shown "
-         "agreed under DP attention", "",
+    Path("dp_attention_attn_tp", CHECKED, "attn_dp_size > 1 with tp_size > attn_dp_size (attention TP inside each "
+         "DP rank: --tp 8 --dp 4 --enable-dp-attention, or --tp 8 --attn-dp-size 4)",
+         "as dp_attention, per DP rank; the tp_size / attn_dp_size attention-TP ranks of one DP rank (a scheduler "
+         "process each, each with its own pools) run its one batch and each check it, and their verdicts are MAX "
+         "all-reduced over SGLang's attention-TP group (get_attn_tp_group: that DP rank's ranks only; the "
+         "tensor_parallel agreement), so a fault one rank sees aborts the same requests on all of them and on no "
+         "other DP rank. Shown with eager forwards on the CPU (a dense model; tp_size=4, attn_dp_size=2; a fault "
+         "struck in one scheduler process); not run on GPUs (the agreement's NCCL communicator over an "
+         "attention-TP subgroup) or with decode graphs",
+         "tests/test_faultlab/test_sglang_live/test_sglang_dp_attn_tp.py",
          lambda f: f.dp_attention and f.tp_size > f.attn_dp_size),
     Path("pipeline_parallel", REFUSED, "pp_size > 1", "micro-batches across stages are not followed", "",
          lambda f: f.pp_size > 1),

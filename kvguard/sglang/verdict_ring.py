@@ -65,25 +65,31 @@ class VerdictRing:
             self._agreed_np[slot] = buf.numpy()
         return buf[:need]
 
-    def agree(self, slot: int, cells: int, n: int, stale: list | None, group) -> torch.Tensor:
+    def agree(self, slot: int, cells: int, n: int, stale: list | None, group,
+              side: torch.Tensor | None = None) -> torch.Tensor:
         """Attention TP: the first ``cells`` of slot's verdict (``n`` requests' rows; ``stale``: per request, its row
-        went to a newer owner here, or None when none did) MAX all-reduced across the ranks on the stream (``group``:
-        the ranks' :class:`kvguard.sglang.agree.VerdictAgreement`) into a buffer of the slot's own, and copied to the
-        slot's pinned host buffer (returned: its first ``cells``); then a one into the host cell after them, which
-        the host cleared first, copied last: once the host sees it, the cells before it are in
-        (:meth:`agreed_clean` reads them before any wait). One collective and two copies per step, no host sync, no
-        allocation in the steady state."""
+        went to a newer owner here, or None when none did; ``side``: a side check's per-request flags, int32 [n] on
+        the device, e.g. the recurrent-state check of kvguard.sglang.mamba, or None) MAX all-reduced across the ranks
+        on the stream (``group``: the ranks' :class:`kvguard.sglang.agree.VerdictAgreement`) into a buffer of the
+        slot's own, and copied to the slot's pinned host buffer (returned: its first ``cells``); then a one into the
+        host cell after them, which the host cleared first, copied last: once the host sees it, the cells before it
+        are in (:meth:`agreed_clean` reads them before any wait). One collective and two copies per step (a side
+        check: two small launches more, folding it in), no host sync, no allocation in the steady state."""
         dev = self._agree_dev[slot]
         if dev.numel() < cells:
             dev = self._agree_dev[slot] = torch.empty(1 << (cells - 1).bit_length(), dtype=torch.int32,
                                                       device=self.device)
         verdict = self._verdicts[slot][:cells]
-        if stale is None:
+        if stale is None and side is None:
             mine = group.max_(verdict, dev[:cells])
-        else:  # rare: a stale row here counts as a verdict every rank sees
+        else:  # a stale row here (rare), or a side check's flags: in the request's first cell, which every rank sees
             mine = dev[:cells]
             mine.copy_(verdict)
-            mine.view(n, -1)[:, 0] += torch.tensor(stale, dtype=torch.int32).to(self.device, non_blocking=True)
+            first = mine.view(n, -1)[:, 0]  # [n], strided
+            if stale is not None:
+                first += torch.tensor(stale, dtype=torch.int32).to(self.device, non_blocking=True)
+            if side is not None:
+                torch.maximum(first, side, out=first)
             group.max_(mine)
         host = self.agreed_host(slot, cells + 1)
         self._agreed_np[slot][cells] = 0  # (before the copies are enqueued: the second one writes the one)

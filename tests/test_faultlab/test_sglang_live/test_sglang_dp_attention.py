@@ -21,11 +21,11 @@ over gloo, its CPU branches), ``SGLANG_CPU_OMP_THREADS_BIND`` one core per rank,
 """
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from live_episodes import assert_clean, assert_victims_aborted, by_index, engine_run, episode
+from live_episodes import (assert_balanced_on_every_rank, assert_clean, assert_victims_aborted, by_index,
+                           decoding_ranks, dp_plan, dp_port, engine_run, episode)
 
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(420)]
@@ -35,20 +35,12 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 EPISODES = [{"label": "clean", "fault": None}, {"label": "swap", "fault": "swapped_entries", "seed": 1}]
 
 
-def _plan(episodes: list, workload: dict) -> str:
-    """The harness's fault plan, armed per rank: each rank's injector sees its own requests only (the DP controller
-    sends them round robin), so an entry arms once 2 of them decode, not all of wave 1."""
-    return json.dumps([{"fault": e["fault"] or "none", "seed": e.get("seed", 0), "rid_prefix": f"{e['label']}-a",
-                        "reuser_prefix": f"{e['label']}-b", "min_candidates": 2, "min_reusers": 1,
-                        "label": e["label"]} for e in episodes])
-
-
 WORKLOAD = {"n1": 4, "n2": 2}
 SPEC = {
     "log_level": "error", "model": QWEN2, "workload": WORKLOAD,
     "engine": {"tp_size": 2, "attn_dp_size": 2},
     "env": {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_CPU_DP": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-            "FAULTLAB_SGLANG_FAULTS": _plan(EPISODES, WORKLOAD)},
+            "FAULTLAB_SGLANG_FAULTS": dp_plan(EPISODES)},
 }
 
 
@@ -57,42 +49,28 @@ def dp_engine(tmp_path_factory):
     from faultlab.sglang_live.harness import spawn
 
     t0 = time.time()
-    rc, result, stderr = spawn({**SPEC, "episodes": EPISODES}, str(tmp_path_factory.mktemp("dp_attn")), "dp_attn",
+    rc, result, stderr = spawn({**SPEC, "engine": {**SPEC["engine"], "port": dp_port()}, "episodes": EPISODES}, str(tmp_path_factory.mktemp("dp_attn")), "dp_attn",
                                ENGINE_TIMEOUT)
     run = engine_run("dp_attn", "tp_size=2, attn_dp_size=2", rc, result, stderr)
     print(f"dp_attn: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
     return run
 
 
-def _ranks(run: dict) -> set:
-    """The scheduler processes that decoded (the injector's ``decoding`` lines carry their pid)."""
-    return {e["pid"] for e in run["events"] if e["event"] == "decoding"}
-
-
-def _balanced_on_every_rank(run: dict, after: float) -> None:
-    """Each rank's SGLang idle accounting, every check it logged after ``after`` (its own pools), is balanced."""
-    for pid in _ranks(run):
-        checks = [e for e in run["events"] if e["event"] == "idle_check" and e["pid"] == pid and e["time"] > after]
-        assert checks, f"rank pid {pid}: no idle accounting check logged after {after}"
-        bad = [e for e in checks if not e["balanced"]]
-        assert bad == [], f"rank pid {pid}: SGLang's pool accounting: {bad}"
-
-
 def test_both_dp_ranks_serve_the_clean_episode_checked(dp_engine):
     """Served with KVGUARD_MODE=check (a registry refusal stops the engine at start), on both DP ranks: no false abort,
     every request answered, each rank's pools balanced afterwards."""
-    assert len(_ranks(dp_engine)) == 2, f"not both DP ranks decoded: {dp_engine['events'][:20]}"
+    assert len(decoding_ranks(dp_engine)) == 2, f"not both DP ranks decoded: {dp_engine['events'][:20]}"
     assert_clean(dp_engine, "clean")
-    _balanced_on_every_rank(dp_engine, 0.0)
+    assert_balanced_on_every_rank(dp_engine, 0.0)
 
 
 def test_swapped_entries_on_both_ranks_exactly_victims_aborted(dp_engine):
     clean, ep = episode(dp_engine, "clean"), episode(dp_engine, "swap")
     strikes = [e for e in ep["events"] if e["event"] == "inject"]
-    assert {e["pid"] for e in strikes} == _ranks(dp_engine), f"not every DP rank struck: {strikes}"
+    assert {e["pid"] for e in strikes} == decoding_ranks(dp_engine), f"not every DP rank struck: {strikes}"
     victims = assert_victims_aborted(ep, "swapped_entries")
     ref = by_index(clean)
     wrong = {i: (r["output_ids"], ref[i]["output_ids"]) for i, r in by_index(ep).items()
              if r["rid"] not in victims and r["output_ids"] != ref[i]["output_ids"]}
     assert wrong == {}, f"non-victims' tokens differ from the fault-free episode: {wrong}"
-    _balanced_on_every_rank(dp_engine, min(e["time"] for e in strikes))
+    assert_balanced_on_every_rank(dp_engine, min(e["time"] for e in strikes))

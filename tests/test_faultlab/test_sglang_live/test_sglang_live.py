@@ -28,6 +28,7 @@ def test_plan_is_a_pure_function_of_the_seed():
     ('[{"fault": "stale_row", "when": 3}]', "allowed keys"),
     ('[{"seed": 3}]', "needs 'fault'"),
     ('[{"fault": "stale_row", "step": -1}]', "step"),
+    ('[{"fault": "stale_row", "tp_rank": "1"}]', "tp_rank"),
     ('{"fault": "stale_row"}', "is not one of"),
     ("[not json", "not valid JSON"),
 ])
@@ -99,6 +100,22 @@ def test_sweep_judge_names_each_way_an_episode_can_be_wrong():
     assert judge(_ep("index_shift", ["x-a0"], [None, [3, 4]], errors=["x-a0"], balanced=False), clean)[0].startswith(
         "accounting")
     assert judge(_ep("stale_row", [], [[1, 2], [3, 4]]), clean) == ["the injector reports no victim"]
+
+
+def test_spec_run_passes_only_a_run_with_no_false_abort_and_every_fault_exact():
+    from faultlab.sglang_live.spec_run import passed, summary
+
+    def run(*eps):
+        return {"episodes": [{**e, "label": f"e{i}", "seconds": 1.0, "idle_check": {**e["idle_check"], "decode_steps": 9}}
+                             for i, e in enumerate(eps)],
+                "startup_s": 1.0}
+
+    clean = _ep(None, [], [[1, 2], [3, 4]])
+    exact = _ep("spec_region_entry", ["x-a0"], [None, [3, 4]], errors=["x-a0"])
+    assert passed(summary(run(clean, exact)))
+    assert not passed(summary(run(clean, _ep("spec_region_entry", ["x-a0"], [None, [3, 5]], errors=["x-a0"]))))
+    assert not passed(summary(run(_ep(None, [], [[1, 2], [3, 4]], errors=["x-a1"]))))  # a false abort
+    assert not passed(summary(run()))  # a run that ran nothing
 
 
 def test_sweep_judge_lets_a_retracted_victim_go_unaborted_only_with_fault_free_tokens():

@@ -50,7 +50,7 @@ LINES = [
                         "--disaggregation-decode-retraction-backup", "none"], "llama", False,
      "pd_decode_transfer_backend"),
     ("dp_attention", ["--enable-dp-attention", "--dp-size", "8", "--tp-size", "8"], "llama", True, "dp_attention"),
-    ("dp_attention_attn_tp", ["--enable-dp-attention", "--dp-size", "4", "--tp-size", "8"], "llama", False,
+    ("dp_attention_attn_tp", ["--enable-dp-attention", "--dp-size", "4", "--tp-size", "8"], "llama", True,
      "dp_attention_attn_tp"),
     ("mtp_eagle", ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk",
                    "1", "--speculative-num-draft-tokens", "4"], "llama", True, "speculative_decoding"),
