@@ -20,6 +20,9 @@ class Facts:
     speculative_algorithm: str | None = None
     spec_topk: int = 1  # speculative_eagle_topk: 1 is chain drafting, more is tree drafting
     spec_multi_layer: bool = False  # enable_multi_layer_eagle (MultiLayerEagleWorkerV2)
+    # the draft is the target's own MTP / NextN layers (NEXTN, or EAGLE with no draft model named): what SGLang packs
+    # into the target's HiCache host pool (an EAGLE draft path naming a NextN checkpoint is found at install)
+    spec_mtp: bool = False
     hierarchical_cache: bool = False
     hicache_storage: bool = False  # hicache_storage_backend set (file, mooncake, 3fs, nixl, ...)
     hicache_buffer_only: bool = False  # hicache_host_memory_mode=buffer_only
@@ -71,6 +74,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         speculative_algorithm=spec,
         spec_topk=int(_get(server_args, "speculative_eagle_topk", 1)),
         spec_multi_layer=bool(_get(server_args, "enable_multi_layer_eagle", False)),
+        spec_mtp=spec is not None and (spec.upper() == "NEXTN" or (
+            spec.upper() == "EAGLE" and _get(server_args, "speculative_draft_model_path") in (None, ""))),
         hierarchical_cache=bool(_get(server_args, "enable_hierarchical_cache", False)),
         hicache_storage=_get(server_args, "hicache_storage_backend") not in (None, ""),
         hicache_buffer_only=str(_get(server_args, "hicache_host_memory_mode", "cache")) == "buffer_only",

@@ -45,8 +45,20 @@ stays behind, so a match of such a stale page fails too. The next load-back of t
 adopts them here. A node re-inserted from a request's row while evicted (``_unevict_node_on_insert``) is a
 checkpoint: adopted from the row by :class:`kvguard.sglang.radix.RadixTags`.
 
+NOTE (speculative decoding: the draft model's KV). An EAGLE draft model's KV pool is backed up and loaded back by
+the same operations as the target's, on the same device slots: SGLang's draft plan (``BaseSpecWorker.
+_build_hicache_draft_plan``, ``SIDECAR`` for a draft that is not an MTP/NextN layer) registers a draft host pool whose
+transfers take their indices from the target's (``indices_from_pool=KV``); ``UnifiedRadixCache.load_back`` passes
+it to the same ``HybridCacheController.load`` (``_resolve_device_transfers``: the draft's device indices are the
+tensor this load allocated), which queues one ``CacheOperation`` for both, submitted by the same ``start_loading``
+under the same layer events (draft layer ``i`` is copied before target layer ``i``'s event). So the expectations
+above, per slot id, cover the draft's bytes too. The draft's own pool waits on no layer event: its reads (the draft
+extend after the target's prefill, then the spec steps) are ordered after the copy by running on the forward stream
+behind the target forward that waited. Packed MTP/NextN draft layers (``PACKED``) are refused (:func:`pool_refusal`).
+
 Shown on SGLang's real ``UnifiedRadixCache`` + ``HybridCacheController`` + ``MHATokenToKVPoolHost`` driven step by
-step on the CPU (tests/test_kvguard/test_sglang/test_sglang_hicache.py). A live CPU server does not start: the host
+step on the CPU (tests/test_kvguard/test_sglang/test_sglang_hicache.py; with an EAGLE draft pool and spec steps:
+test_sglang_hicache_spec.py). A live CPU server does not start: the host
 pool registers its buffer with ``cudaHostRegister`` and the copies are ``sgl_kernel`` CUDA kernels.
 
 Only functions of this subpackage import SGLang, and only when they run.
@@ -107,6 +119,19 @@ def around_start_loading(original, controller, *args, **kwargs):
         log.warning("kvguard: %d HiCache load(s) were never submitted; their pages fail every match", len(pending))
         pending.clear()
     return producer
+
+
+def pool_refusal(tree_cache) -> str | None:
+    """The registry path that refuses this tree's HiCache draft layout, or None (no HiCache, no draft, or a draft
+    sidecar: its own host pool, moved in the target's load operation on the target's device slots).
+
+    Packed draft layers (``HiCacheDraftMode.PACKED``: an MTP / NextN draft, ``BaseSpecWorker._build_hicache_draft_plan``)
+    ride the target's host pool as extra layers and reach the device through extra transfers
+    (``HybridCacheController._l2_load_transfers``), which kvguard's evidence does not cover."""
+    group = getattr(getattr(tree_cache, "cache_controller", None), "mem_pool_host", None)
+    if any(getattr(entry, "packed_draft_device_pools", ()) for entry in getattr(group, "entries", ())):
+        return "hierarchical_cache_spec_packed"
+    return None
 
 
 HOOKS = {  # name: (SGLang target, kvguard's hook, HookRegistry type); composed into kvguard.sglang.plugin's table

@@ -65,7 +65,8 @@ def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = Non
     """The structural backstop at install: the pools SGLang built carry state kvguard does not follow.
 
     Whatever the facts said: a row pool with a recurrent-state pool (``HybridReqToTokenPool.mamba_pool``),
-    or a build result SGLang marked ``is_hybrid_ssm`` / ``is_hybrid_swa``, names its registry path; None
+    a build result SGLang marked ``is_hybrid_ssm`` / ``is_hybrid_swa``, or a HiCache tree
+    with packed draft layers (:func:`kvguard.sglang.hicache.pool_refusal`), names its registry path; None
     when the pools are plain, or hold state kvguard follows (:func:`kvguard.sglang.mamba.pool_refusal`: a plain
     ``HybridReqToTokenPool`` with no tree of state slots).
     """
@@ -79,6 +80,11 @@ def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = Non
         refused = state_refusal(req_to_token_pool, build_result, tree_cache)
         if refused is not None:
             return refused
+    from .hicache import pool_refusal as hicache_refusal
+
+    refused = hicache_refusal(tree_cache if tree_cache is not None else getattr(build_result, "tree_cache", None))
+    if refused is not None:
+        return refused
     if swa:
         from .swa import follows
 

@@ -151,8 +151,8 @@ PATHS: tuple[Path, ...] = (
          "MultiLayerEagleWorkerV2 runs its own draft steps outside the worker kvguard hooks", "",
          lambda f: f.speculative_algorithm is not None and f.spec_multi_layer),
     Path("hierarchical_cache", CHECKED, "enable_hierarchical_cache=True with host memory only (no "
-         "hicache_storage_backend, hicache_host_memory_mode=cache; any write policy), on an aggregated server without "
-         "speculative decoding, for a model of MHA full-attention layers",
+         "hicache_storage_backend, hicache_host_memory_mode=cache; any write policy), on an aggregated server (with "
+         "speculative decoding: hierarchical_cache_spec), for a model of MHA full-attention layers",
          "a load-back's new device pages expect LOADING in the tree until their host-to-device copy is submitted "
          "(HiCacheController.start_loading), then the tree adopts them with the tags of the allocation that made them "
          "(HybridCacheController.load), so a request matching the loaded-back prefix expects exactly those pages; a "
@@ -177,10 +177,26 @@ PATHS: tuple[Path, ...] = (
          "(maybe_send_cached_prefix_chunk), and a PD decode server's HiCache restore fills a gap of the preallocated "
          "row (decode_hicache_mixin) that kvguard's PD record does not follow; neither is shown", "",
          lambda f: f.hierarchical_cache and f.disaggregation_mode != "null"),
-    Path("hierarchical_cache_spec", REFUSED, "enable_hierarchical_cache=True with speculative_algorithm set",
-         "the draft model's KV is written back and loaded back beside the target's (HiCacheDraftPlan sidecar or "
-         "packed draft layers), which is not shown", "",
-         lambda f: f.hierarchical_cache and f.speculative_algorithm is not None),
+    Path("hierarchical_cache_spec", CHECKED, "enable_hierarchical_cache=True (host memory only) with chain "
+         "speculative decoding (EAGLE, EAGLE3 or STANDALONE, speculative_eagle_topk 1) whose draft is a model of its "
+         "own (SGLang's HiCacheDraftMode.SIDECAR)",
+         "the draft model's KV is backed up and loaded back in the target's own operations on the target's device "
+         "slots (a sidecar host pool with indices_from_pool=KV: one CacheOperation per HybridCacheController.load, "
+         "submitted by the same HiCacheController.start_loading), so each loaded-back page expects LOADING until "
+         "that submission and then the tags of the allocation that made it, for both pools; the draft's reads run "
+         "behind the target forward that waited for the layer events; evictions bump tags through the allocator "
+         "release kvguard wraps; spec steps check entries [0, nxt) as on the speculative path (kvguard.sglang.hicache)",
+         "tests/test_kvguard/test_sglang/test_sglang_hicache_spec.py (SGLang's UnifiedRadixCache, "
+         "HybridCacheController, its draft plan and sidecar host pool, alloc_for_spec_decode)",
+         lambda f: f.hierarchical_cache and _spec_checked(f) and not f.spec_mtp),
+    Path("hierarchical_cache_spec_packed", REFUSED, "enable_hierarchical_cache=True with an MTP / NextN draft (NEXTN, "
+         "or EAGLE with no draft model: the target's own MTP layers; also an EAGLE draft path naming a NextN "
+         "checkpoint, found at install)",
+         "SGLang packs the draft's layers into the target's host pool (HiCacheDraftMode.PACKED) and moves them "
+         "through extra transfers of their own (HybridCacheController._l2_load_transfers), which is not shown; "
+         "refused at start from the launch line, and at install on the tree SGLang built "
+         "(kvguard.sglang.hicache.pool_refusal)", "",
+         lambda f: f.hierarchical_cache and f.spec_mtp),
     Path("hierarchical_cache_model", REFUSED, "enable_hierarchical_cache=True for an MLA, sliding-window, "
          "DeepSeek-V4 or hybrid linear-attention model",
          "their host pools (MLA latent rows, SWA pages and the full-to-SWA mapping, mamba state slots) move state "

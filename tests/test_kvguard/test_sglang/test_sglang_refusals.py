@@ -39,7 +39,8 @@ REFUSED_FACTS = {
                                    {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}),
     "hierarchical_cache_buffer_only": (Facts(hierarchical_cache=True, hicache_buffer_only=True), None),
     "hierarchical_cache_pd": (Facts(hierarchical_cache=True, disaggregation_mode="prefill"), None),
-    "hierarchical_cache_spec": (Facts(hierarchical_cache=True, speculative_algorithm="EAGLE"), None),
+    "hierarchical_cache_spec_packed": (Facts(hierarchical_cache=True, speculative_algorithm="NEXTN", spec_mtp=True),
+                                       None),
     "hierarchical_cache_model": (Facts(hierarchical_cache=True, mla=True), None),
     "hisparse": (Facts(hisparse=True), None),
     "sliding_window_own_pool": (Facts(hybrid_swa=True, swa_compress=True), None),  # (Gemma4 / MiMo: not on this CPU)
