@@ -130,3 +130,11 @@ def rig_ps(request, make_rig):
     rig = make_rig(request.param)
     rig.install(registry=rig.registry)
     return rig
+
+
+@pytest.fixture
+def hicache_shims(monkeypatch):
+    """SGLang's HiCache host pool on a CPU (tests/host_pool_shims.py: what its CUDA host registration and copies do)."""
+    import host_pool_shims
+
+    host_pool_shims.apply(monkeypatch)

@@ -30,11 +30,6 @@ both_backends = pytest.mark.usefixtures("kvguard_backend")  # the torch referenc
 PS = 16
 
 
-@pytest.fixture
-def hicache_shims(monkeypatch):
-    host_pool_shims.apply(monkeypatch)
-
-
 class HiRig:
     """Real SGLang device pools and a ``UnifiedRadixCache`` with HiCache (its own ``init_hicache``), kvguard on it."""
 

@@ -30,11 +30,6 @@ DRAFT_LAYERS = 1
 
 
 @pytest.fixture
-def hicache_shims(monkeypatch):
-    host_pool_shims.apply(monkeypatch)
-
-
-@pytest.fixture
 def spec_on(monkeypatch):
     """This process's spec configuration: EAGLE chain 3/1/4, checked (as test_sglang_spec_rig.py's fixture)."""
     import sglang.srt.mem_cache.common as common

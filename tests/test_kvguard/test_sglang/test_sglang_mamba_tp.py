@@ -15,14 +15,14 @@ batches and hang in their next collective, so both must abort exactly the flagge
 rank 1 without freeing a slot handed on since, rank 0 through SGLang's normal release. Afterwards every pool balances
 on both ranks. A clean run aborts nothing, and its agreed verdict reads clean before any wait.
 """
-import os
-import socket
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import two_ranks
+from two_ranks import load_kvguard, of
 
 pytestmark = pytest.mark.sglang
 
@@ -31,16 +31,10 @@ FAMILY_NAMES = ("nemotron_h", "qwen3_next")  # mamba2 and GDN state
 
 
 def _join(rank: int, port: int) -> None:
-    """This rank's process group, kvguard's hooks applied by SGLang's own plugin loader, and kvguard's agreement over
-    the two ranks where the hooks read it (the rig runs no SGLang model-parallel init to look it up from)."""
-    os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
+    """This rank's process group and kvguard's hooks (two_ranks.load_kvguard), and kvguard's agreement over the two
+    ranks where the hooks read it (the rig runs no SGLang model-parallel init to look it up from)."""
     torch.set_num_threads(1)
-    import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
-    import sglang.srt.plugins as plugins
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    plugins._plugins_loaded = False
-    plugins.load_plugins()
+    load_kvguard(rank, port)
     import kvguard.sglang.runtime as runtime
     from kvguard.sglang.agree import VerdictAgreement
 
@@ -207,27 +201,6 @@ SCENARIOS = {"clean": _clean, "index_swap": _index_swap, "index_swap_prepared": 
              "slot_reuse": _slot_reuse, "at_prefill": _at_prefill}
 
 
-def _rank(rank: int, port: int, models: dict, out) -> None:
-    """One rank: every scenario on every model in turn, each on a rig of its own (one process group, one SGLang
-    import)."""
-    try:
-        _join(rank, port)
-        for family, model_path in models.items():
-            for name, scenario in SCENARIOS.items():
-                key = f"{name}/{family}"
-                try:
-                    out.put({"rank": rank, "scenario": key, **scenario(rank, model_path)})
-                except BaseException as exc:  # reported to the test, never a silent hang
-                    out.put({"rank": rank, "scenario": key, "error": repr(exc)})
-                    raise
-    except BaseException as exc:
-        out.put({"rank": rank, "scenario": None, "error": repr(exc)})
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     """{"scenario/family": {rank: what that rank reported}}: one 2-rank launch runs every scenario on every model."""
@@ -235,33 +208,8 @@ def ranks(tmp_path_factory) -> dict:
     from faultlab.sglang_live.harness import write_model
 
     models = {name: write_model(str(tmp_path_factory.mktemp(name)), FAMILIES[name]) for name in FAMILY_NAMES}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, models, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        while sum(len(v) for v in results.values()) < 2 * len(SCENARIOS) * len(FAMILY_NAMES):
-            r = out.get(timeout=300)
-            results.setdefault(r["scenario"], {})[r["rank"]] = r
-            if r["scenario"] is None:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results
-
-
-def _of(ranks: dict, scenario: str) -> tuple[dict, dict]:
-    got = ranks.get(scenario, {})
-    assert set(got) == {0, 1} and all("error" not in r for r in got.values()), ranks
-    return got[0], got[1]
+    return two_ranks.run(_join, {f"{name}/{family}": partial(scenario, model_path=path) for family, path in
+                                 models.items() for name, scenario in SCENARIOS.items()}, timeout=300)
 
 
 def _balanced(r: dict) -> None:
@@ -272,7 +220,7 @@ def _balanced(r: dict) -> None:
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_clean_run_aborts_nothing_and_reads_clean_before_any_wait(ranks, family):
-    for r in _of(ranks, f"clean/{family}"):
+    for r in of(ranks, f"clean/{family}"):
         assert r["prefills"] == [[], []] and r["prefill_agreed"] == [False] * 3
         assert [s["flagged"] for s in r["steps"]] == [[]] * 4
         assert all(s["agreed"] and s["clean"] for s in r["steps"])  # agreed on the device, clean on both ranks
@@ -283,7 +231,7 @@ def test_a_clean_run_aborts_nothing_and_reads_clean_before_any_wait(ranks, famil
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("fired", ["index_swap", "index_swap_prepared"])
 def test_a_state_index_broken_on_one_rank_aborts_that_request_on_both(ranks, family, fired):
-    r0, r1 = _of(ranks, f"{fired}/{family}")
+    r0, r1 = of(ranks, f"{fired}/{family}")
     assert r0["victim"] == r1["victim"]
     for r in (r0, r1):
         steps = r["steps"]
@@ -303,7 +251,7 @@ def test_a_state_index_broken_on_one_rank_aborts_that_request_on_both(ranks, fam
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_slot_handed_on_on_one_rank_aborts_its_first_holder_on_both_and_never_frees_it_there(ranks, family):
-    r0, r1 = _of(ranks, f"slot_reuse/{family}")
+    r0, r1 = of(ranks, f"slot_reuse/{family}")
     assert r0["victim"] == r1["victim"]
     assert r1["shared"] and not r0["shared"]  # the newcomer got the victim's slot on rank 1 only
     for r in (r0, r1):
@@ -320,7 +268,7 @@ def test_a_slot_handed_on_on_one_rank_aborts_its_first_holder_on_both_and_never_
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_state_index_broken_at_prefill_on_one_rank_is_discarded_on_both(ranks, family):
-    r0, r1 = _of(ranks, f"at_prefill/{family}")
+    r0, r1 = of(ranks, f"at_prefill/{family}")
     assert r0["victim"] == r1["victim"]
     for r in (r0, r1):
         assert r["agreed"] == [True, False, False]  # rank 0's own check passed: the state flag came in the agreement

@@ -8,27 +8,20 @@ requests they would run different batches and hang in the next collective, so bo
 request, each releasing it the right way: rank 1 without touching the row its newcomer owns, rank 0
 through SGLang's normal release. Afterwards both ranks' pools balance.
 """
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import two_ranks
+from two_ranks import load_kvguard, of
 
 pytestmark = pytest.mark.sglang
 
 
 def _join(rank: int, port: int) -> None:
-    """This rank's process group, and kvguard's hooks applied by SGLang's own plugin loader."""
-    os.environ.update({"SGLANG_PLUGINS": "kvguard", "KVGUARD_MODE": "check", "KVGUARD_BACKEND": "torch"})
-    import sglang.srt.managers.scheduler  # noqa: F401  (the hook targets exist before the loader runs)
-    import sglang.srt.plugins as plugins
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    plugins._plugins_loaded = False
-    plugins.load_plugins()
+    """This rank's process group and kvguard's hooks (two_ranks.load_kvguard); kvguard's rig view of its ranks."""
+    load_kvguard(rank, port)
     import kvguard.sglang.plugin as plugin  # noqa: F401
     import kvguard.sglang.runtime as runtime
 
@@ -161,58 +154,14 @@ SCENARIOS = {"stale_row": _stale_row, "broken_entry": _broken_entry, "broken_ent
              "agree_stale": _agree_stale}
 
 
-def _rank(rank: int, port: int, out) -> None:
-    """One rank: every scenario in turn, each on a rig of its own (one process group, one SGLang import)."""
-    try:
-        _join(rank, port)
-        for name, scenario in SCENARIOS.items():
-            try:
-                out.put({"rank": rank, "scenario": name, **scenario(rank)})
-            except BaseException as exc:  # reported to the test, never a silent hang
-                out.put({"rank": rank, "scenario": name, "error": repr(exc)})
-                raise
-    except BaseException as exc:
-        out.put({"rank": rank, "scenario": None, "error": repr(exc)})
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks() -> dict:
-    """{scenario: {rank: what that rank reported}}: one 2-rank launch runs both scenarios."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        while sum(len(v) for v in results.values()) < 2 * len(SCENARIOS):
-            r = out.get(timeout=240)
-            results.setdefault(r["scenario"], {})[r["rank"]] = r
-            if r["scenario"] is None:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results
-
-
-def _of(ranks: dict, scenario: str) -> tuple[dict, dict]:
-    got = ranks.get(scenario, {})
-    assert set(got) == {0, 1} and all("error" not in r for r in got.values()), ranks
-    return got[0], got[1]
+    """{scenario: {rank: what that rank reported}}: one 2-rank launch runs every scenario."""
+    return two_ranks.run(_join, SCENARIOS, timeout=240)
 
 
 def test_ranks_agree_on_a_broken_entry_seen_by_one_rank(ranks):
-    r0, r1 = _of(ranks, "broken_entry")
+    r0, r1 = of(ranks, "broken_entry")
     assert r0["victim"] == r1["victim"]
     for r in (r0, r1):
         assert r["steps"][0] == []  # clean before the bug
@@ -223,7 +172,7 @@ def test_ranks_agree_on_a_broken_entry_seen_by_one_rank(ranks):
 
 
 def test_ranks_agree_on_a_broken_entry_when_the_forward_fires_the_check(ranks):
-    r0, r1 = _of(ranks, "broken_entry_at_forward")
+    r0, r1 = of(ranks, "broken_entry_at_forward")
     for r in (r0, r1):
         # armed by the hook over the 2 ranks, launched by the forward, its verdict all-reduced on the device group
         assert [a[:4] for a in r["armed"]] == [[-1, True, True, True]] * 3
@@ -236,13 +185,13 @@ def test_ranks_agree_on_a_broken_entry_when_the_forward_fires_the_check(ranks):
 
 
 def test_the_agreement_carries_one_ranks_stale_row_to_every_rank(ranks):
-    for r in _of(ranks, "agree_stale"):
+    for r in of(ranks, "agree_stale"):
         assert r["clean"] == [[0] * 6, True]
         assert r["flagged"] == [[0, 0, 1, 0, 0, 0], False]  # request 1's first cell, on both ranks
 
 
 def test_ranks_agree_on_a_stale_row_seen_by_one_rank(ranks):
-    r0, r1 = _of(ranks, "stale_row")
+    r0, r1 = of(ranks, "stale_row")
     assert r0["victim"] == r1["victim"]
     assert r1["flagged"] == [(r1["victim"], True)]  # stale here: released without touching the row
     assert r0["flagged"] == [(r0["victim"], False)]  # stale on the peer only: released normally here
