@@ -114,3 +114,30 @@ def dp_port() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port range for a DP-attention engine")
+
+
+# A dense model whose vocabulary embedding follows the attention-TP group under DP attention, as SGLang's DP-attention
+# models' do (Llama's all-reduces over the full TP group, and the ranks' gloo collectives desynchronise)
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+
+
+def run_dp_engine(folder: str, name: str, tp_size: int, attn_dp_size: int, episodes: list, workload: dict,
+              timeout: float) -> dict:
+    """One CPU ``sglang.Engine`` with DP attention (``tp_size`` scheduler processes, ``attn_dp_size`` DP ranks, a
+    tiny :data:`QWEN2`, eager forwards, one core per process in turn, SGLang's collectives over gloo:
+    ``FAULTLAB_SGLANG_CPU_DP``), ``KVGUARD_MODE=check``, serving ``episodes`` with :func:`dp_plan`; its record
+    (:func:`engine_run`)."""
+    import time
+
+    from faultlab.sglang_live.harness import spawn
+
+    spec = {"log_level": "error", "model": QWEN2, "workload": workload, "episodes": episodes,
+            "engine": {"tp_size": tp_size, "attn_dp_size": attn_dp_size, "port": dp_port()},
+            "env": {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_CPU_DP": "1",
+                    "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp_size)),
+                    "FAULTLAB_SGLANG_FAULTS": dp_plan(episodes)}}
+    t0 = time.time()
+    rc, result, stderr = spawn(spec, folder, name, timeout)
+    run = engine_run(name, f"tp_size={tp_size}, attn_dp_size={attn_dp_size}", rc, result, stderr)
+    print(f"{name}: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
+    return run

@@ -21,39 +21,23 @@ over gloo, its CPU branches), ``SGLANG_CPU_OMP_THREADS_BIND`` one core per rank,
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 from live_episodes import (assert_balanced_on_every_rank, assert_clean, assert_victims_aborted, by_index,
-                           decoding_ranks, dp_plan, dp_port, engine_run, episode)
+                           decoding_ranks, episode, run_dp_engine)
 
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(420)]
 
 ENGINE_TIMEOUT = 360  # start: 50-95 s on this 2-core machine (95 s beside a running test suite); episodes ~15 s
-QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 EPISODES = [{"label": "clean", "fault": None}, {"label": "swap", "fault": "swapped_entries", "seed": 1}]
 
-
 WORKLOAD = {"n1": 4, "n2": 2}
-SPEC = {
-    "log_level": "error", "model": QWEN2, "workload": WORKLOAD,
-    "engine": {"tp_size": 2, "attn_dp_size": 2},
-    "env": {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_CPU_DP": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-            "FAULTLAB_SGLANG_FAULTS": dp_plan(EPISODES)},
-}
 
 
 @pytest.fixture(scope="module")
 def dp_engine(tmp_path_factory):
-    from faultlab.sglang_live.harness import spawn
-
-    t0 = time.time()
-    rc, result, stderr = spawn({**SPEC, "engine": {**SPEC["engine"], "port": dp_port()}, "episodes": EPISODES}, str(tmp_path_factory.mktemp("dp_attn")), "dp_attn",
-                               ENGINE_TIMEOUT)
-    run = engine_run("dp_attn", "tp_size=2, attn_dp_size=2", rc, result, stderr)
-    print(f"dp_attn: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
-    return run
+    return run_dp_engine(str(tmp_path_factory.mktemp("dp_attn")), "dp_attn", 2, 2, EPISODES, WORKLOAD,
+                         ENGINE_TIMEOUT)
 
 
 def test_both_dp_ranks_serve_the_clean_episode_checked(dp_engine):

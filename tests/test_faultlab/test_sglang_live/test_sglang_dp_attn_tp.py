@@ -24,39 +24,24 @@ idle accounting is balanced afterwards.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 from live_episodes import (assert_balanced_on_every_rank, assert_clean, assert_victims_aborted, by_index,
-                           decoding_ranks, dp_plan, dp_port, engine_run, episode)
+                           decoding_ranks, episode, run_dp_engine)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(480)]
 
 ENGINE_TIMEOUT = 420  # start 27-46 s on this 2-core machine (2026-12-06; 46 s beside other engines), 63-83 s in all
-QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 ATTN_TP = 2  # tp_size / attn_dp_size
 STRUCK = {"swap3": 3, "swap0": 0}  # episode -> the TP rank its fault strikes in
 EPISODES = [{"label": "clean", "fault": None}] + [
     {"label": label, "fault": "swapped_entries", "seed": 1, "tp_rank": rank} for label, rank in STRUCK.items()]
 WORKLOAD = {"n1": 4, "n2": 2, "new1": 16, "new2": 8}
-SPEC = {
-    "log_level": "error", "model": QWEN2, "workload": WORKLOAD,
-    "engine": {"tp_size": 4, "attn_dp_size": 2},
-    "env": {"KVGUARD_MODE": "check", "FAULTLAB_SGLANG_CPU_DP": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1|0|1",
-            "FAULTLAB_SGLANG_FAULTS": dp_plan(EPISODES)},
-}
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from faultlab.sglang_live.harness import spawn
-
-    t0 = time.time()
-    rc, result, stderr = spawn({**SPEC, "engine": {**SPEC["engine"], "port": dp_port()}, "episodes": EPISODES}, str(tmp_path_factory.mktemp("dp_attn_tp")),
-                               "dp_attn_tp", ENGINE_TIMEOUT)
-    run = engine_run("dp_attn_tp", "tp_size=4, attn_dp_size=2", rc, result, stderr)
-    print(f"dp_attn_tp: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
-    return run
+    return run_dp_engine(str(tmp_path_factory.mktemp("dp_attn_tp")), "dp_attn_tp", 4, 2, EPISODES, WORKLOAD,
+                         ENGINE_TIMEOUT)
 
 
 def _tp_rank_of(run: dict) -> dict:
