@@ -42,6 +42,7 @@ class Facts:
     swa_compress: bool = False  # an SWA-compress hybrid (Gemma4, MiMo-V2)
     deepseek_v4: bool = False  # DeepSeek-V4's own hybrid pool
     hybrid_linear: bool = False
+    mamba_strategy: str = "auto"  # mamba_radix_cache_strategy as given on the launch line (SGLang resolves "auto" later)
     encoder_decoder: bool = False
     streaming_session: bool = False
     session_radix_cache: bool = False
@@ -92,6 +93,7 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         pdmux=bool(_get(server_args, "enable_pdmux", False)),
         overlap=not bool(_get(server_args, "disable_overlap_schedule", False)),
         radix=not bool(_get(server_args, "disable_radix_cache", False)),
+        mamba_strategy=str(_get(server_args, "mamba_radix_cache_strategy", "auto")),
         chunked=isinstance(chunk, int) and chunk > 0,
         mixed_chunk=bool(_get(server_args, "enable_mixed_chunk", False)),
         **model,

@@ -34,9 +34,10 @@ launch at any batch size 1..512 (a torch ``add_`` there: 11). A decode step capt
 captured check's no-wait fast path (its verdict is read after this check's event): its effect on a served model's
 ITL is not measured yet.
 
-Not followed, and refused by the registry (kvguard.sglang.paths): the radix tree's own state slots (SGLang's mamba
-component of UnifiedRadixCache) and the extra-buffer tracking slots, speculative decoding's intermediate state,
-virtual slot ids (the unified memory pool).
+With the radix cache on (``no_buffer``), the tree's own state slots and each copy out of them are followed by
+:mod:`kvguard.sglang.mamba_radix` (``follower.tree``; its flags are folded into this check's). Not followed, and
+refused by the registry (kvguard.sglang.paths): the extra-buffer tracking slots and the int8 checkpoint pool,
+speculative decoding's intermediate state, virtual slot ids (the unified memory pool).
 
 Only functions of this module import SGLang, and only when they run.
 """
@@ -47,6 +48,7 @@ import logging
 import torch
 
 from ..kernels.state_check import StateCheck
+from .mamba_radix import TreeStates
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -54,6 +56,7 @@ _SRT = "sglang.srt"
 SCRATCH_STATE = 0  # MambaSlotAllocator never hands out slot 0: SGLang's dummy write target for padded entries
 RING = 8  # checks in flight at most (as the guard's verdict ring)
 REFUSED_POOL = "hybrid_linear_state_pool"  # kvguard.sglang.paths: a state pool variant this module does not follow
+REFUSED_TREE = "hybrid_linear_radix_cache"  # kvguard.sglang.paths: state slots kept where this module does not follow
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,18 +64,21 @@ REFUSED_POOL = "hybrid_linear_state_pool"  # kvguard.sglang.paths: a state pool 
 # ------------------------------------------------------------------------------------------------
 def pool_refusal(req_to_token_pool, build_result=None, tree_cache=None) -> str | None:
     """None when this module follows the pools' recurrent state; else the registry path that refuses them: a row
-    pool other than SGLang's plain ``HybridReqToTokenPool``, or state slots kept by a tree (a live prefix tree,
-    extra-buffer tracking slots, the int8 checkpoint pool)."""
+    pool other than SGLang's plain ``HybridReqToTokenPool``, or state slots kept where kvguard does not follow them
+    (a live prefix tree other than :func:`kvguard.sglang.mamba_radix.follows`'s, extra-buffer tracking slots, the
+    int8 checkpoint pool, virtual slot ids)."""
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from .mamba_radix import follows
 
     pool = req_to_token_pool
     if type(pool) is not HybridReqToTokenPool:  # PD decode's, the unified pool's (virtual ids), or none at all
         return REFUSED_POOL
     trees = (getattr(build_result, "tree_cache", None), tree_cache)
-    live_tree = any(tree is not None and not getattr(tree, "disable", False) for tree in trees)
-    if live_tree or pool.enable_mamba_extra_buffer or pool.mamba_ckpt_pool is not None \
-            or pool.mamba_v2p_table is not None:
-        return "hybrid_linear_radix_cache"
+    live = [tree for tree in trees if tree is not None and not getattr(tree, "disable", False)]
+    if not all(follows(tree) for tree in live) or pool.enable_mamba_extra_buffer \
+            or pool.mamba_ckpt_pool is not None or pool.mamba_v2p_table is not None:
+        return REFUSED_TREE
     return None
 
 
@@ -107,6 +113,7 @@ class StateFollower:
         # id(pending) -> (pending, ring slot, n, folded into its agreed KV verdict): launched, verdict unread
         self.open: dict[int, tuple] = {}
         self.kept = 0  # slots an aborted request did not free (handed to another request since)
+        self.tree = TreeStates(self, SCRATCH_STATE)  # the radix tree's state slots (kvguard.sglang.mamba_radix)
         self._wrap_guard(guard)
         allocator._kvguard_mamba = pool._kvguard_mamba = self
         guard.mamba, guard.fold = self, self.fold
@@ -160,6 +167,7 @@ class StateFollower:
         self.turn = (self.turn + 1) % RING
         k = self.turn
         self.check(rows[:n], slots, gens, self.bad[k])
+        self.tree.fold(pending.reqs, self.bad[k][:n])  # a copy out of the radix tree whose source failed
         if self.events is not None:
             self.host[k][:n].copy_(self.bad[k][:n], non_blocking=True)
             ring = self.guard._ring
@@ -198,7 +206,10 @@ class StateFollower:
 
         row = int(pending.table_rows[i]) if pending.table_rows is not None else -1
         rec = req.__dict__.get("kvguard_state")
-        if rec is None:
+        tree_cause = self.tree.cause(req)
+        if tree_cause is not None:
+            cause = tree_cause
+        elif rec is None:
             cause = "was given by a path kvguard does not follow"
         elif int(self.gens[rec[0]]) != int(rec[1]):
             cause = f"{int(rec[0])} was handed to another request since (generation {int(rec[1])} -> " \

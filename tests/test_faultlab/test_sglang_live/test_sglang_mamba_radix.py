@@ -1,0 +1,85 @@
+"""kvguard on a hybrid linear-attention (mamba2) model with SGLang's radix cache on, through SGLang 0.5.23's real code.
+
+The engine of tests/test_faultlab/test_sglang_live/test_sglang_mamba.py (a tiny NemotronH, ``KVGUARD_MODE=check``,
+``TRITON_INTERPRET=1``, no overlap scheduler, page size 1), with the radix cache on: SGLang builds a
+``UnifiedRadixCache`` with its mamba component (``mamba_radix_cache_strategy=no_buffer``, the strategy SGLang picks
+on a platform without extra-buffer support). A chunked prefill of 8 tokens makes the tree keep a state at each chunk
+boundary of wave 1's first request (``stash_chunked_request`` -> ``checkpoint``: a fresh slot, a copy), inside the
+12-token prefix every request shares: the later requests match it and copy the tree's state into their own slot
+(kvguard/sglang/mamba_radix.py checks each copy's source). Asserted:
+
+* fault-free: SGLang's scheduler reports cached prefix tokens (its ``#cached-token`` log line: the copies ran), no
+  request is aborted, and SGLang's idle accounting (KV, row and state pools) is balanced;
+* per fault (``mamba_index_swap``, ``mamba_slot_reuse``, ``swapped_entries``): exactly the injector's victims get a
+  kvguard error, every other request's tokens equal the fault-free episode's, the pools balance.
+
+A fault on the tree's own slots (a node's slot freed and handed to another request) is shown step by step on SGLang's
+real tree: tests/test_kvguard/test_sglang/test_sglang_mamba_radix.py, which CI runs. This engine (a second NemotronH
+engine: 2-5 minutes on the 2-core machine) runs from the command line:
+``FAULTLAB_MAMBA_RADIX_LIVE=1 pytest tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix.py -s``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+from live_episodes import assert_balanced as _balanced, assert_clean as _clean
+from live_episodes import assert_victims_aborted, by_index, engine_run, episode
+
+from faultlab.sglang_live.families import NEMOTRON_H
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900),
+              pytest.mark.skipif(os.environ.get("FAULTLAB_MAMBA_RADIX_LIVE") != "1",
+                                 reason="the command-line run only (FAULTLAB_MAMBA_RADIX_LIVE=1): a second hybrid engine")]
+
+SEED = 1
+ENGINE_TIMEOUT = 840
+CLASSES = ["mamba_index_swap", "mamba_slot_reuse", "swapped_entries"]
+WORKLOAD = {"n1": 3, "n2": 2, "prefix": 12, "new1": 16, "new2": 8}
+SPEC = {
+    "log_level": "info", "page_size": 1, "radix": True, "overlap": False, "model": NEMOTRON_H,
+    "engine": {"mamba_radix_cache_strategy": "no_buffer", "chunked_prefill_size": 8}, "workload": WORKLOAD,
+    "env": {"KVGUARD_MODE": "check", "TRITON_INTERPRET": "1", "FAULTLAB_SGLANG_CPU_MAMBA": "1"},
+}
+CACHED = re.compile(r"#cached-token: (\d+)")
+
+
+def _label(fault: str) -> str:
+    return fault.replace("_", "")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from faultlab.sglang_live.harness import spawn
+
+    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
+    episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
+    t0 = time.time()
+    rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("radix")), "radix",
+                               ENGINE_TIMEOUT)
+    run = engine_run("nemotron_h_radix", "NemotronH, radix cache", rc, result, stderr)
+    print(f"startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
+    for label, ep in run["episodes"].items():
+        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+        print(f"  {label}: {ep['steps']} decode steps, victims {ep['victims']}, errors {errors}")
+    return run
+
+
+def test_the_radix_engine_copies_tree_states_and_serves_a_clean_episode(hybrid):
+    cached = [int(n) for n in CACHED.findall(hybrid["stderr"])]
+    print(f"prefill batches with cached tokens: {sum(n > 0 for n in cached)} of {len(cached)}")
+    assert any(n > 0 for n in cached), "no prefill matched the tree (no state was copied out of it)"
+    _clean(hybrid, "clean")
+
+
+@pytest.mark.parametrize("fault", CLASSES)
+def test_state_fault_exactly_victims_aborted(hybrid, fault):
+    clean, ep = episode(hybrid, "clean"), episode(hybrid, _label(fault))
+    victims = assert_victims_aborted(ep, fault)
+    ref = by_index(clean)
+    wrong = {i: (r["output_ids"], ref[i]["output_ids"]) for i, r in by_index(ep).items()
+             if r["rid"] not in victims and r["output_ids"] != ref[i]["output_ids"]}
+    assert wrong == {}, f"{fault}: non-victims' tokens differ from the fault-free episode: {wrong}"
+    _balanced(hybrid, ep)
