@@ -20,6 +20,12 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "sliding_window": 16,
            "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
            "layer_types": ["sliding_attention", "full_attention"]}  # sliding-window hybrid
+# grouped-query attention with one MTP layer (GLM-4.5's NEXTN: SGLang drafts with Glm4MoeForCausalLMNextN)
+GLM4_MOE_MTP = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "num_nextn_predict_layers": 1,
+                "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+                "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                "norm_topk_prob": True, "use_qk_norm": False, "attention_bias": False, "partial_rotary_factor": 0.5,
+                "head_dim": 16}
 
 FAMILIES = {"llama": {}, "qwen3_next": QWEN3_NEXT, "nemotron_h": NEMOTRON_H, "deepseek_v3": DEEPSEEK_V3,
             "gpt_oss": GPT_OSS}

@@ -1,7 +1,7 @@
 """A CPU ``sglang.Engine`` with EAGLE speculative decoding for faultlab's harness, and the clean-step sweep.
 
     python -m faultlab.sglang_live.spec_run OUT_DIR [--episodes 9] [--no-overlap] [--mode check]
-        [--algorithm EAGLE|EAGLE3|NEXTN|STANDALONE] [--target mla] [--faults a,b]
+        [--algorithm EAGLE|EAGLE3|NEXTN|STANDALONE] [--target mla|glm] [--faults a,b]
 
 runs fault-free episodes of :data:`SWEEP_WORKLOAD` on one EAGLE (3/1/4) engine through
 :mod:`faultlab.sglang_live.harness` and prints the spec steps SGLang ran (faultlab's count of
@@ -13,7 +13,8 @@ What makes SGLang's spec path run on a plain CPU (tests only): SGLang's Triton a
 ops under Triton's interpreter (``TRITON_INTERPRET=1``; :mod:`.cpu_spec`), CUDA graphs off, a one-layer dummy EAGLE
 draft (``LlamaForCausalLMEagle``; ``LlamaForCausalLMEagle3`` needs ``draft_vocab_size``); NEXTN (MTP) on a tiny
 DeepSeek-V3 with one MTP layer (multi-head latent attention), its own draft. ``--target mla``: an EAGLE or EAGLE3
-draft (the tiny Llama's width and vocabulary) in front of a tiny DeepSeek-V2 (MLA) target instead of the tiny Llama.
+draft (the tiny Llama's width and vocabulary) in front of a tiny DeepSeek-V2 (MLA) target instead of the tiny Llama;
+with NEXTN, ``--target glm``: a tiny GLM-4.5 (grouped-query attention) with an MTP layer instead of the DeepSeek-V3.
 """
 from __future__ import annotations
 
@@ -22,34 +23,47 @@ import json
 import os
 import sys
 
+from .families import GLM4_MOE_MTP
 from .harness import TINY_DEEPSEEK_MTP, TINY_MLA, spawn, write_model
 from .plan import ENV_CPU_SPEC
 
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 DRAFTS = {"EAGLE": {"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1},
-          "EAGLE3": {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 1000},
+          # (SGLang's default capture layers [2, n // 2, n - 3] do not exist in a 2-layer target: name them)
+          "EAGLE3": {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 1000,
+                     "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1]}},
           # the target's own config: the same dummy weights (seeded by name), so its drafts are accepted
           "STANDALONE": {},
-          # no draft of its own: the target is a DeepSeek-V3 with an MTP layer (MLA), which SGLang drafts with
-          # (NEXTN resolves to EAGLE, the draft path to the model's own, its architecture to ...NextN)
+          # no draft of its own: the target has an MTP layer, which SGLang drafts with (NEXTN resolves to EAGLE, the
+          # draft path to the model's own, its architecture to ...NextN)
           "NEXTN": None}
-TARGETS = {"NEXTN": TINY_DEEPSEEK_MTP}  # a target other than the tiny Llama
-TARGET_MODELS = {"llama": None, "mla": TINY_MLA}  # --target (None: the algorithm's own, TARGETS)
+# --target: the target model, by the drafts' kind. A draft model of its own (EAGLE, EAGLE3; STANDALONE: llama only)
+# in front of the tiny Llama (None) or a tiny DeepSeek-V2 (MLA); NEXTN: a tiny DeepSeek-V3 (MLA, the default) or a
+# tiny GLM-4.5 (grouped-query attention), each with one MTP layer
+TARGET_MODELS = {"llama": None, "mla": TINY_MLA}
+MTP_TARGETS = {"llama": TINY_DEEPSEEK_MTP, "mla": TINY_DEEPSEEK_MTP, "glm": GLM4_MOE_MTP}
+TARGET_NAMES = sorted(set(TARGET_MODELS) | set(MTP_TARGETS))
 WORKLOAD = {"n1": 3, "n2": 0, "prefix": 24, "new1": 12, "new2": 4}  # a test episode: few requests, few steps
 SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~100 verify steps of 8 requests each
 
 
 def engine_spec(folder: str, *, overlap: bool, mode: str, episodes: list, algorithm: str = "EAGLE",
-                workload: dict | None = None, target: str = "llama") -> dict:
+                workload: dict | None = None, target: str = "llama", model: dict | None = None) -> dict:
     """The harness spec of a CPU EAGLE engine (page size 1, chain 3/1/4), its draft model written into ``folder``
-    (``target``: a key of :data:`TARGET_MODELS`; an algorithm without a draft of its own keeps its own target)."""
-    if target not in TARGET_MODELS or (target != "llama" and DRAFTS[algorithm] in (None, {})):
-        raise ValueError(f"target {target!r}: one of {sorted(TARGET_MODELS)}, and only with EAGLE or EAGLE3")
+    (``target``: a key of :data:`TARGET_MODELS`, or of :data:`MTP_TARGETS` for NEXTN).
+    ``model``: a target config of :data:`faultlab.sglang_live.families` instead (STANDALONE drafts with it too)."""
+    mtp = DRAFTS[algorithm] is None
+    if target not in (MTP_TARGETS if mtp else TARGET_MODELS) or (target != "llama" and DRAFTS[algorithm] == {}):
+        raise ValueError(f"target {target!r}: one of {sorted(TARGET_MODELS)} with EAGLE or EAGLE3 (llama with "
+                         f"STANDALONE), one of {sorted(MTP_TARGETS)} with NEXTN")
+    if model is not None and (target != "llama" or mtp):
+        raise ValueError(f"model: a target of its own, not with --target {target!r} or {algorithm}")
     draft = None if DRAFTS[algorithm] is None else \
-        write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm])
+        write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm] or model)
     return {"device": "cpu", "page_size": 1, "overlap": overlap, "attention_backend": "triton",
             "env": {"KVGUARD_MODE": mode, "TRITON_INTERPRET": "1", ENV_CPU_SPEC: "1"},
-            "workload": {**WORKLOAD, **(workload or {})}, "model": TARGET_MODELS[target] or TARGETS.get(algorithm),
+            "workload": {**WORKLOAD, **(workload or {})},
+            "model": model or (MTP_TARGETS[target] if mtp else TARGET_MODELS[target]),
             # NOTE: one KV split per request in the Triton decode kernel: fewer interpreted programs (a speed knob)
             "engine": {"speculative_algorithm": algorithm, **CHAIN, "disable_cuda_graph": True,
                        "triton_attention_num_kv_splits": 1,
@@ -88,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--mode", default="check")
     parser.add_argument("--algorithm", default="EAGLE", choices=sorted(DRAFTS))
-    parser.add_argument("--target", default="llama", choices=sorted(TARGET_MODELS))
+    parser.add_argument("--target", default="llama", choices=TARGET_NAMES)
     parser.add_argument("--faults", default="", help="comma-separated spec faults, one episode each, after the clean ones")
     parser.add_argument("--timeout", type=float, default=3 * 3600)
     args = parser.parse_args(argv)

@@ -28,10 +28,17 @@ pools: the draft pool is indexed by the same slot ids. The same launch rewrites 
 ``[seq_lens, nxt)`` to SGLang's padding slot (the write guard over ``req_to_token`` itself: the step's draft, verify
 and draft-extend writes are addressed through those entries), so its forwards write no other request's KV. NOTE:
 the violation message is read from the row after that rewrite, so it names the first rewritten entry (page 0) when
-the broken entry lies in ``[seq_lens, nxt)``; the request and the verdict are right, the position may not be. The
-verdict is
-read where SGLang's result processing reads the sampled ids, before any of the step's tokens are committed or
-streamed (``batches._around_process_batch_result_decode``), and flagged requests are aborted through
+the broken entry lies in ``[seq_lens, nxt)``; the request and the verdict are right, the position may not be.
+
+On a sliding-window hybrid (:mod:`kvguard.sglang.swa`) a second launch follows, into the same verdict, with the same
+write guard: every position the step's sliding-window layers (target and draft) read, ``[seq_lens - window, nxt)``,
+must map through ``full_to_swa_index_mapping`` to the SWA slot the allocator paired with its full slot, whose page
+still carries the tag it had then (:meth:`SWASide.check <kvguard.sglang.swa.SWASide.check>`). The reserve's pairs
+are recorded where every pairing is: ``alloc_for_spec_decode`` allocates through the composite allocator's
+``alloc`` / ``alloc_extend``, which pair through ``set_full_to_swa_mapping``.
+
+The verdict is read where SGLang's result processing reads the sampled ids, before any of the step's tokens are
+committed or streamed (``batches._around_process_batch_result_decode``), and flagged requests are aborted through
 ``SGLangGuard.abort`` (SGLang's own per-request abort, kvguard's safe release). A spec batch that reached its result
 without its check (a worker class not hooked here) stops the scheduler (``SGLangGuard.resolve``).
 
@@ -258,6 +265,10 @@ def fire(pending: Pending, seq_lens: torch.Tensor) -> None:
                                         table_rows=rows, verdict=ring.verdict(slot, n, step.max_entries),
                                         flag=ring.flag_cells[slot], stamp=stamp, guard=write_guard,
                                         entries_hint=step.total)
+    if guard.swa is not None:  # a sliding-window hybrid: the window the step's SWA layers read, into the same verdict
+        # (q = nxt - seq_lens: the step's query positions [seq_lens, nxt) read back to seq_lens - window)
+        guard.swa.check(rows, step.n_entries, pending.check.verdict, q=write_guard.lens, guard=write_guard,
+                        flag=ring.flag_cells[slot], stamp=stamp)
     if step.agreement is not None:
         pending.agreed = ring.agree(slot, pending.check.verdict.numel(), n,
                                     pending.stale if pending.any_stale else None, step.agreement)

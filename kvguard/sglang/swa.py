@@ -17,14 +17,14 @@ What kvguard follows here (:class:`SWASide`, wrapping methods of the *instances*
   tail, the tree's radix recovery) and ``alloc_decode`` (which writes the map directly): from the allocators'
   outputs, never from the map itself.
 
-What it checks (:meth:`SWASide.check`, one extra launch per forward, :mod:`kvguard.kernels.window_check`): every
-position a sliding-window layer of the step may read, ``[n - window - new tokens, n)``, maps through the
-request's ``req_to_token`` entry (whose full slot the main check proves is the request's own, with its tag) and
-the map to the SWA slot kvguard saw paired with that full slot, whose page still carries the tag it had then. A
-cleared (0), foreign or stale map entry, or an in-window SWA page released since, flags the request in the main
-check's verdict; it is aborted with the same verdict, its write slots redirected. Positions before the window,
-which SGLang legitimately frees, are never read. ``window`` is the tree's ``sliding_window_size`` (SGLang's retain
-window: what it keeps, at least what attention reads).
+What it checks (:meth:`SWASide.check`, one extra launch per forward and per spec step (:mod:`kvguard.sglang.spec`),
+:mod:`kvguard.kernels.window_check`): every position a sliding-window layer of the step may read,
+``[n - window - new tokens, n)``, maps through the request's ``req_to_token`` entry (whose full slot the main check
+proves is the request's own, with its tag) and the map to the SWA slot kvguard saw paired with that full slot,
+whose page still carries the tag it had then. A cleared (0), foreign or stale map entry, or an in-window SWA page
+released since, flags the request in the main check's verdict; it is aborted with the same verdict, its write slots
+redirected. Positions before the window, which SGLang legitimately frees, are never read. ``window`` is the tree's
+``sliding_window_size`` (SGLang's retain window: what it keeps, at least what attention reads).
 
 NOTE (one extra launch): the main kernel is shared with the graph-captured check and reads one table; this one
 reads a second table (the map) over a per-request range. Cost per forward: one launch, measured on an H100 at
@@ -91,10 +91,16 @@ def attach(guard, allocator) -> "SWASide | None":
         explain = guard.tracker._explain
 
         def _explain(check, b, request_id, bad):
-            # the main explanation reads the whole row: a first "bad" entry past the live ones means it found nothing
+            # the main explanation reads the whole row: a first "bad" entry past the live ones means it found nothing;
+            # one in the step's write span may be the write guard's own rewrite (a spec step rewrites a flagged
+            # request's entries there, kvguard.sglang.spec): an earlier bad window entry is then the fault
             found = explain(check, b, request_id, bad)
             if found.reason == "unchecked" or found.logical_position >= side.live_length(check, b):
                 return side.explain(check, b, request_id, bad) or found
+            if found.logical_position >= side.write_start(check, b):
+                window = side.explain(check, b, request_id, bad)
+                if window is not None and window.logical_position < found.logical_position:
+                    return window
             return found
 
         guard.tracker._explain = _explain
@@ -245,8 +251,14 @@ class SWASide:
         lens = self.windows.get(check.verdict.data_ptr(), (None, None, None))[1]
         return 1 << 62 if lens is None else int(lens[b])
 
+    def write_start(self, check, b: int) -> int:
+        """The first of the entries request ``b`` of ``check`` wrote (its new tokens; huge when not known)."""
+        _, lens, q = self.windows.get(check.verdict.data_ptr(), (None, None, None))
+        return 1 << 62 if lens is None else int(lens[b]) - (1 if q is None else int(q[b]))
+
     def explain(self, check, b: int, request_id: str, bad: int):
-        """Slow path, a flagged request the main check found nothing wrong with: its first bad window entry."""
+        """Slow path, a flagged request the main check found nothing wrong with (or only in its write span): its first
+        bad window entry."""
         from ..violations import Violation
 
         rows, lens, q = self.windows.get(check.verdict.data_ptr(), (None, None, None))
