@@ -216,14 +216,19 @@ PATHS: tuple[Path, ...] = (
          "other than the paged SWATokenToKVPoolAllocator (per-request SWA ring, unified memory, HiSparse)",
          "these keep their SWA (and compressed) state in pools and maps of their own, which kvguard does not follow",
          "", lambda f: f.hybrid_swa and (f.swa_compress or f.deepseek_v4)),
-    Path("sliding_window_spec_pd", REFUSED, "a hybrid sliding-window model with speculative_algorithm set or "
-         "disaggregation_mode set",
-         "speculative steps are checked by their own launch (kvguard/sglang/spec.py), which does not read the "
-         "sliding-window layers' full_to_swa_index_mapping, and a PD transfer's ticket stamps full pages only, not "
-         "the SWA pages it writes", "",
-         lambda f: f.hybrid_swa and (f.speculative_algorithm is not None or f.disaggregation_mode != "null")),
+    Path("sliding_window_spec", CHECKED, "a hybrid sliding-window model on SGLang's paged SWA pools with "
+         "speculative_algorithm EAGLE, EAGLE3, NEXTN or STANDALONE, speculative_eagle_topk 1 (chain drafting)",
+         "the spec reserve's SWA peers recorded where the allocator pairs them (kvguard.sglang.swa); each spec step's "
+         "check (kvguard/sglang/spec.py) also reads, in one extra launch into the same verdict, every position a "
+         "sliding-window layer of the step's draft and verify forwards reads, [seq_lens - window, nxt), through "
+         "full_to_swa_index_mapping to that peer, with its tag (kvguard.sglang.swa)",
+         "tests/test_faultlab/test_sglang_live/test_sglang_swa_spec.py",
+         lambda f: f.hybrid_swa and not (f.swa_compress or f.deepseek_v4) and _spec_checked(f)),
+    Path("sliding_window_pd", REFUSED, "a hybrid sliding-window model with disaggregation_mode set",
+         "a PD transfer's ticket stamps full pages only, not the SWA pages it writes", "",
+         lambda f: f.hybrid_swa and f.disaggregation_mode != "null"),
     Path("hybrid_linear_attention", CHECKED, "a hybrid linear-attention / mamba model (NemotronH, Qwen3-Next, "
-         "Qwen3.5, ...: HybridReqToTokenPool), disable_radix_cache=True",
+         "Qwen3.5, ...: HybridReqToTokenPool)",
          "each request's recurrent-state slot carries a generation bumped when the slot allocator hands it out; the "
          "(slot, generation) a request was given is recorded where its row is (HybridReqToTokenPool.alloc) and, beside "
          "every KV check, one launch checks that the state index the forward reads is its own slot at its own "
@@ -231,11 +236,25 @@ PATHS: tuple[Path, ...] = (
          "slot handed on since (kvguard/sglang/mamba.py). Full-attention pages as for any model",
          f"{_MAMBA} (a NemotronH engine); tests/test_kvguard/test_sglang/test_sglang_mamba_state.py (SGLang's "
          "pools with mamba2 and GDN state)", lambda f: f.hybrid_linear),
-    Path("hybrid_linear_radix_cache", REFUSED, "a hybrid linear-attention / mamba model with the radix cache on "
-         "(SGLang's default; any mamba_radix_cache_strategy)",
-         "the tree keeps state slots of finished requests (UnifiedRadixCache's mamba component; extra_buffer's "
-         "tracking slots) and copies them into a matching request's slot at match_prefix: kvguard checks each "
-         "request's own slot, not the tree's", "", lambda f: f.hybrid_linear and f.radix),
+    Path("hybrid_linear_radix_no_buffer", CHECKED, "a hybrid linear-attention / mamba model with the radix cache on "
+         "and mamba_radix_cache_strategy=no_buffer named on the launch line (page_size 1, overlap scheduler off)",
+         "the tree keeps state slots (UnifiedRadixCache's mamba component: a finished request's own slot, or a copy of "
+         "a running request's state in a fresh slot); the generation each carried when the tree took it is recorded "
+         "(MambaComponent.cleanup_after_caching_req), read where a request matches the node "
+         "(finalize_match_result_in_cache), and each staged copy's source is checked against it on the device "
+         "(ScheduleBatch._collect_deferred_mamba_cow_and_clear, in prepare_for_extend, before the forward's copy): a "
+         "source handed on since is pointed at the dummy slot and its request flagged in the state check beside the "
+         "extend's KV check, alone (kvguard/sglang/mamba_radix.py)",
+         "tests/test_kvguard/test_sglang/test_sglang_mamba_radix.py (SGLang's UnifiedRadixCache, Rust tree core, "
+         "mamba2 and GDN state); tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix.py (a NemotronH engine, "
+         "radix cache on)", lambda f: f.hybrid_linear and f.radix and f.mamba_strategy == "no_buffer"),
+    Path("hybrid_linear_radix_cache", REFUSED, "a hybrid linear-attention / mamba model with the radix cache on and "
+         "any other mamba_radix_cache_strategy ('auto', SGLang's default, not yet resolved when kvguard decides: it "
+         "resolves to extra_buffer with the overlap scheduler on a platform that supports it, a default Qwen3.5 / "
+         "NemotronH launch on GPUs; extra_buffer; extra_buffer_lazy), or an int8 checkpoint pool",
+         "extra_buffer's ping-pong tracking slots are donated to the tree (donate_mamba_ping_pong_slot) and the int8 "
+         "checkpoint pool keeps states in slots of its own: neither is recorded", "",
+         lambda f: f.hybrid_linear and f.radix and f.mamba_strategy != "no_buffer"),
     Path("hybrid_linear_state_pool", REFUSED, "a hybrid model whose row pool is not SGLang's plain "
          "HybridReqToTokenPool (PD decode's, the unified memory pool's virtual slot ids)",
          "state slots handed out or translated outside HybridReqToTokenPool.alloc are not recorded", "",

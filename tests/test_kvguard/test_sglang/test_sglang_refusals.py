@@ -44,10 +44,9 @@ REFUSED_FACTS = {
     "hierarchical_cache_model": (Facts(hierarchical_cache=True, mla=True), None),
     "hisparse": (Facts(hisparse=True), None),
     "sliding_window_own_pool": (Facts(hybrid_swa=True, swa_compress=True), None),  # (Gemma4 / MiMo: not on this CPU)
-    "sliding_window_spec_pd": (Facts(hybrid_swa=True, speculative_algorithm="EAGLE"), None),
-    "hybrid_linear_radix_cache": (Facts(hybrid_linear=True),  # (SGLang itself refuses extra_buffer on the CPU)
-                                  ("linear_model", {"mamba_radix_cache_strategy": "no_buffer",
-                                                    "disable_overlap_schedule": True})),
+    "sliding_window_pd": (Facts(hybrid_swa=True, disaggregation_mode="decode"), None),
+    # (no live launch: SGLang itself cannot run extra_buffer, or "auto" resolved to it, on the CPU)
+    "hybrid_linear_radix_cache": (Facts(hybrid_linear=True, mamba_strategy="extra_buffer"), None),
     "hybrid_linear_state_pool": (Facts(hybrid_linear=True, radix=False, disaggregation_mode="decode",
                                        transfer_backend="fake", decode_retraction_backup="none"), None),
     "hybrid_linear_speculative": (Facts(hybrid_linear=True, radix=False, speculative_algorithm="EAGLE"), None),
