@@ -33,6 +33,15 @@ def assert_victims_aborted(ep: dict, fault: str, where: str = "") -> set:
     return victims
 
 
+def assert_others_unchanged(clean: dict, ep: dict, victims: set, what: str = "") -> None:
+    """Every request of ``ep`` other than the ``victims`` returned the tokens of its namesake (by index) in the
+    fault-free episode ``clean``."""
+    ref = by_index(clean)
+    wrong = {i: (r["output_ids"], ref[i]["output_ids"]) for i, r in by_index(ep).items()
+             if r["rid"] not in victims and r["output_ids"] != ref[i]["output_ids"]}
+    assert wrong == {}, f"{what}non-victims' tokens differ from the fault-free episode: {wrong}"
+
+
 def assert_balanced(run: dict, ep: dict) -> None:
     """The episode left no server death and SGLang's own idle accounting balanced."""
     if ep["label"] in run["deaths"]:  # the clients got their answers, then the scheduler died
