@@ -54,7 +54,8 @@ tensor this load allocated), which queues one ``CacheOperation`` for both, submi
 under the same layer events (draft layer ``i`` is copied before target layer ``i``'s event). So the expectations
 above, per slot id, cover the draft's bytes too. The draft's own pool waits on no layer event: its reads (the draft
 extend after the target's prefill, then the spec steps) are ordered after the copy by running on the forward stream
-behind the target forward that waited. Packed MTP/NextN draft layers (``PACKED``) are refused (:func:`pool_refusal`).
+behind the target forward that waited. Packed MTP/NextN draft layers (``PACKED``) are refused
+(:func:`kvguard.sglang.model_facts.hicache_refusal`).
 
 Shown on SGLang's real ``UnifiedRadixCache`` + ``HybridCacheController`` + ``MHATokenToKVPoolHost`` driven step by
 step on the CPU (tests/test_kvguard/test_sglang/test_sglang_hicache.py; with an EAGLE draft pool and spec steps:
@@ -119,19 +120,6 @@ def around_start_loading(original, controller, *args, **kwargs):
         log.warning("kvguard: %d HiCache load(s) were never submitted; their pages fail every match", len(pending))
         pending.clear()
     return producer
-
-
-def pool_refusal(tree_cache) -> str | None:
-    """The registry path that refuses this tree's HiCache draft layout, or None (no HiCache, no draft, or a draft
-    sidecar: its own host pool, moved in the target's load operation on the target's device slots).
-
-    Packed draft layers (``HiCacheDraftMode.PACKED``: an MTP / NextN draft, ``BaseSpecWorker._build_hicache_draft_plan``)
-    ride the target's host pool as extra layers and reach the device through extra transfers
-    (``HybridCacheController._l2_load_transfers``), which kvguard's evidence does not cover."""
-    group = getattr(getattr(tree_cache, "cache_controller", None), "mem_pool_host", None)
-    if any(getattr(entry, "packed_draft_device_pools", ()) for entry in getattr(group, "entries", ())):
-        return "hierarchical_cache_spec_packed"
-    return None
 
 
 HOOKS = {  # name: (SGLang target, kvguard's hook, HookRegistry type); composed into kvguard.sglang.plugin's table

@@ -66,7 +66,7 @@ def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = Non
 
     Whatever the facts said: a row pool with a recurrent-state pool (``HybridReqToTokenPool.mamba_pool``),
     a build result SGLang marked ``is_hybrid_ssm`` / ``is_hybrid_swa``, or a HiCache tree
-    with packed draft layers (:func:`kvguard.sglang.hicache.pool_refusal`), names its registry path; None
+    with packed draft layers (:func:`hicache_refusal`), names its registry path; None
     when the pools are plain, or hold state kvguard follows (:func:`kvguard.sglang.mamba.pool_refusal`: a plain
     ``HybridReqToTokenPool`` with no tree of state slots).
     """
@@ -80,8 +80,6 @@ def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = Non
         refused = state_refusal(req_to_token_pool, build_result, tree_cache)
         if refused is not None:
             return refused
-    from .hicache import pool_refusal as hicache_refusal
-
     refused = hicache_refusal(tree_cache if tree_cache is not None else getattr(build_result, "tree_cache", None))
     if refused is not None:
         return refused
@@ -90,4 +88,18 @@ def pool_refusal(req_to_token_pool: Any, allocator: Any, build_result: Any = Non
 
         if not follows(allocator):  # (kvguard.sglang.swa: SGLang's paged SWATokenToKVPoolAllocator only)
             return "sliding_window_own_pool"
+    return None
+
+
+def hicache_refusal(tree_cache: Any) -> str | None:
+    """The registry path that refuses this tree's HiCache draft layout, or None (no HiCache, no draft, or a draft
+    sidecar: its own host pool, moved in the target's load operation on the target's device slots:
+    :mod:`kvguard.sglang.hicache`).
+
+    Packed draft layers (``HiCacheDraftMode.PACKED``: an MTP / NextN draft, ``BaseSpecWorker._build_hicache_draft_plan``)
+    ride the target's host pool as extra layers and reach the device through extra transfers
+    (``HybridCacheController._l2_load_transfers``), which kvguard's evidence does not cover."""
+    group = getattr(getattr(tree_cache, "cache_controller", None), "mem_pool_host", None)
+    if any(getattr(entry, "packed_draft_device_pools", ()) for entry in getattr(group, "entries", ())):
+        return "hierarchical_cache_spec_packed"
     return None

@@ -195,7 +195,7 @@ PATHS: tuple[Path, ...] = (
          "SGLang packs the draft's layers into the target's host pool (HiCacheDraftMode.PACKED) and moves them "
          "through extra transfers of their own (HybridCacheController._l2_load_transfers), which is not shown; "
          "refused at start from the launch line, and at install on the tree SGLang built "
-         "(kvguard.sglang.hicache.pool_refusal)", "",
+         "(kvguard.sglang.model_facts.hicache_refusal)", "",
          lambda f: f.hierarchical_cache and f.spec_mtp),
     Path("hierarchical_cache_model", REFUSED, "enable_hierarchical_cache=True for an MLA, sliding-window, "
          "DeepSeek-V4 or hybrid linear-attention model",
@@ -246,8 +246,8 @@ PATHS: tuple[Path, ...] = (
          "source handed on since is pointed at the dummy slot and its request flagged in the state check beside the "
          "extend's KV check, alone (kvguard/sglang/mamba_radix.py)",
          "tests/test_kvguard/test_sglang/test_sglang_mamba_radix.py (SGLang's UnifiedRadixCache, Rust tree core, "
-         "mamba2 and GDN state); tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix.py (a NemotronH engine, "
-         "radix cache on)", lambda f: f.hybrid_linear and f.radix and f.mamba_strategy == "no_buffer"),
+         "mamba2 and GDN state); tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix_engine.py (a NemotronH "
+         "engine, radix cache on)", lambda f: f.hybrid_linear and f.radix and f.mamba_strategy == "no_buffer"),
     Path("hybrid_linear_radix_cache", REFUSED, "a hybrid linear-attention / mamba model with the radix cache on and "
          "any other mamba_radix_cache_strategy ('auto', SGLang's default, not yet resolved when kvguard decides: it "
          "resolves to extra_buffer with the overlap scheduler on a platform that supports it, a default Qwen3.5 / "
@@ -260,8 +260,10 @@ PATHS: tuple[Path, ...] = (
          "state slots handed out or translated outside HybridReqToTokenPool.alloc are not recorded", "",
          lambda f: f.hybrid_linear and f.disaggregation_mode != "null"),
     Path("hybrid_linear_speculative", REFUSED, "a hybrid linear-attention model with speculative_algorithm set",
-         "the verify forward's intermediate state slots (MambaPool.SpeculativeState) and their copy-back are not "
-         "followed", "", lambda f: f.hybrid_linear and f.speculative_algorithm is not None),
+         "kvguard's spec step check (kvguard/sglang/spec.py) does not launch the recurrent-state check: the verify "
+         "forward reads each request's state slot (and rewrites its conv state in place) and the commit copies the "
+         "accepted step's state into it (HybridLinearAttnBackend.update_mamba_state_after_mtp_verify), unchecked", "",
+         lambda f: f.hybrid_linear and f.speculative_algorithm is not None),
     Path("hybrid_linear_tensor_parallel", CHECKED, "a hybrid linear-attention model with tp_size > 1",
          "each rank checks its own recurrent-state table and slots; the state check is launched right before the KV "
          "check's verdict is agreed and its per-request flags are MAXed into that verdict ahead of the ranks' one "

@@ -16,7 +16,7 @@ boundary of wave 1's first request (``stash_chunked_request`` -> ``checkpoint``:
 A fault on the tree's own slots (a node's slot freed and handed to another request) is shown step by step on SGLang's
 real tree: tests/test_kvguard/test_sglang/test_sglang_mamba_radix.py, which CI runs. This engine (a second NemotronH
 engine: 2-5 minutes on the 2-core machine) runs from the command line:
-``FAULTLAB_MAMBA_RADIX_LIVE=1 pytest tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix.py -s``.
+``FAULTLAB_MAMBA_RADIX_LIVE=1 pytest tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix_engine.py -s``.
 """
 from __future__ import annotations
 
