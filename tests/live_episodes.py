@@ -6,6 +6,17 @@ import socket
 import pytest
 
 
+def label_of(fault: str) -> str:
+    """A fault episode's label: the fault's name without underscores."""
+    return fault.replace("_", "")
+
+
+def fault_episodes(faults, seed: int) -> list[dict]:
+    """The harness's episodes: a fault-free one (``clean``), then one per fault (labelled :func:`label_of`)."""
+    return [{"label": "clean", "fault": None, "seed": seed}] + [
+        {"label": label_of(f), "fault": f, "seed": seed} for f in faults]
+
+
 def episode(run: dict, label: str) -> dict:
     """The episode's record; when the server died in it before its clients got their answers, fail."""
     if label not in run["episodes"]:

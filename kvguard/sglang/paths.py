@@ -182,10 +182,8 @@ PATHS: tuple[Path, ...] = (
          "own (SGLang's HiCacheDraftMode.SIDECAR)",
          "the draft model's KV is backed up and loaded back in the target's own operations on the target's device "
          "slots (a sidecar host pool with indices_from_pool=KV: one CacheOperation per HybridCacheController.load, "
-         "submitted by the same HiCacheController.start_loading), so each loaded-back page expects LOADING until "
-         "that submission and then the tags of the allocation that made it, for both pools; the draft's reads run "
-         "behind the target forward that waited for the layer events; evictions bump tags through the allocator "
-         "release kvguard wraps; spec steps check entries [0, nxt) as on the speculative path (kvguard.sglang.hicache)",
+         "submitted by the same start_loading), so hierarchical_cache's expectations cover both pools; the draft's "
+         "reads run behind the target forward that waited for the layer events (kvguard.sglang.hicache)",
          "tests/test_kvguard/test_sglang/test_sglang_hicache_spec.py (SGLang's UnifiedRadixCache, "
          "HybridCacheController, its draft plan and sidecar host pool, alloc_for_spec_decode)",
          lambda f: f.hierarchical_cache and _spec_checked(f) and not f.spec_mtp),
@@ -395,7 +393,6 @@ def coverage_table() -> str:
     for p in PATHS:
         rows.append(f"| `{p.name}` | **{p.status}** | {p.turned_on_by} | {p.why} | {p.evidence or '–'} |")
     return "\n".join(rows)
-
 
 
 if __name__ == "__main__":  # python -m kvguard.sglang.paths: the coverage table for docs/sglang.md

@@ -30,7 +30,8 @@ import time
 
 import pytest
 from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_others_unchanged, assert_victims_aborted, by_index, engine_run, episode
+from live_episodes import (assert_others_unchanged, assert_victims_aborted, by_index, engine_run, episode,
+                           fault_episodes, label_of)
 
 from faultlab.sglang_live.families import NEMOTRON_H
 
@@ -47,10 +48,6 @@ SPEC = {
     "engine": {"mamba_radix_cache_strategy": "no_buffer"}, "workload": WORKLOAD,
     "env": {"KVGUARD_MODE": "check", "TRITON_INTERPRET": "1", "FAULTLAB_SGLANG_CPU_MAMBA": "1"},
 }
-
-
-def _label(fault: str) -> str:
-    return fault.replace("_", "")
 
 
 def _run(tmp_path_factory, name: str, spec: dict, episodes: list) -> dict:
@@ -70,8 +67,7 @@ def _run(tmp_path_factory, name: str, spec: dict, episodes: list) -> dict:
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
-    episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
+    episodes = fault_episodes(CLASSES, SEED)
     episodes += [{"label": f"soak{i}", "fault": None, "seed": SEED, "workload": SOAK} for i in range(SOAKS)]
     return _run(tmp_path_factory, "nemotron_h", SPEC, episodes)
 
@@ -86,7 +82,7 @@ def test_the_hybrid_engine_serves_a_clean_episode_checked(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_state_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, _label(fault))
+    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
     victims = assert_victims_aborted(ep, fault)
     assert_others_unchanged(clean, ep, victims, f"{fault}: ")
     if fault.startswith("mamba"):
@@ -109,8 +105,8 @@ def test_index_swap_is_real_with_kvguard_off(tmp_path_factory):
     off = {**SPEC, "env": {**SPEC["env"], "KVGUARD_MODE": "off"}}
     fault = "mamba_index_swap"
     run = _run(tmp_path_factory, "nemotron_h_off", off, [{"label": "clean", "fault": None, "seed": SEED},
-                                                         {"label": _label(fault), "fault": fault, "seed": SEED}])
-    clean, ep = episode(run, "clean"), episode(run, _label(fault))
+                                                         {"label": label_of(fault), "fault": fault, "seed": SEED}])
+    clean, ep = episode(run, "clean"), episode(run, label_of(fault))
     assert [r for r in ep["requests"] if r["error"]] == []
     [inject] = [e for e in ep["events"] if e["event"] == "inject"]
     ref = by_index(clean)

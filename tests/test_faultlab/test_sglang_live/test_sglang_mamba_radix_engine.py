@@ -26,7 +26,7 @@ import time
 
 import pytest
 from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode
+from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode, fault_episodes, label_of
 
 from faultlab.sglang_live.families import NEMOTRON_H
 
@@ -46,16 +46,11 @@ SPEC = {
 CACHED = re.compile(r"#cached-token: (\d+)")
 
 
-def _label(fault: str) -> str:
-    return fault.replace("_", "")
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     from faultlab.sglang_live.harness import spawn
 
-    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
-    episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
+    episodes = fault_episodes(CLASSES, SEED)
     t0 = time.time()
     rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("radix")), "radix",
                                ENGINE_TIMEOUT)
@@ -76,7 +71,7 @@ def test_the_radix_engine_copies_tree_states_and_serves_a_clean_episode(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_state_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, _label(fault))
+    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
     victims = assert_victims_aborted(ep, fault)
     assert_others_unchanged(clean, ep, victims, f"{fault}: ")
     _balanced(hybrid, ep)

@@ -34,7 +34,7 @@ import time
 
 import pytest
 from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode
+from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode, fault_episodes, label_of
 
 from faultlab.sglang_live.families import GPT_OSS
 from faultlab.sglang_live.plan import SWA_FAULTS
@@ -56,16 +56,11 @@ SPEC = {
 }
 
 
-def _label(fault: str) -> str:
-    return fault.replace("_", "")
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     from faultlab.sglang_live.harness import spawn
 
-    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
-    episodes += [{"label": _label(c), "fault": c, "seed": SEED} for c in CLASSES]
+    episodes = fault_episodes(CLASSES, SEED)
     episodes += [{"label": f"soak{i}", "fault": None, "seed": SEED, "workload": SOAK} for i in range(SOAKS)]
     t0 = time.time()
     rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("swa")), "swa",
@@ -85,7 +80,7 @@ def test_swa_pools_followed(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_swa_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, _label(fault))
+    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
     victims = assert_victims_aborted(ep, fault)
     assert_others_unchanged(clean, ep, victims, f"{fault}: ")
     assert all("swa_mapping" in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]

@@ -30,7 +30,7 @@ import time
 
 import pytest
 from live_episodes import (assert_balanced, assert_clean, assert_others_unchanged, assert_victims_aborted, engine_run,
-                           episode)
+                           episode, fault_episodes, label_of)
 
 from faultlab.sglang_live.cpu_swa import ENV_VAR as ENV_SWA_CUDA_FREE
 from faultlab.sglang_live.families import GPT_OSS
@@ -49,15 +49,10 @@ FAULTS = ["swa_cleared_entry", "swa_foreign_entry", "swa_freed_slot", "spec_regi
 WORKLOAD = {"n1": 3, "n2": 0, "prefix": 12, "new1": 20, "new2": 4}
 
 
-def _label(fault: str) -> str:
-    return fault.replace("_", "")
-
-
 @pytest.fixture(scope="module")
 def hybrid_spec(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("swa_spec"))
-    episodes = [{"label": "clean", "fault": None, "seed": SEED}]
-    episodes += [{"label": _label(f), "fault": f, "seed": SEED} for f in FAULTS]
+    episodes = fault_episodes(FAULTS, SEED)
     spec = engine_spec(folder, overlap=True, mode="check", episodes=episodes, algorithm=ALGORITHM,
                        workload=WORKLOAD, model=GPT_OSS)
     spec.update(page_size=PAGE_SIZE, log_level="error")
@@ -82,7 +77,7 @@ def test_clean_spec_steps_on_swa_have_no_false_abort(hybrid_spec):
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_swa_spec_fault_exactly_victims_aborted(hybrid_spec, fault):
-    clean, ep = episode(hybrid_spec, "clean"), episode(hybrid_spec, _label(fault))
+    clean, ep = episode(hybrid_spec, "clean"), episode(hybrid_spec, label_of(fault))
     victims = assert_victims_aborted(ep, fault)
     assert_others_unchanged(clean, ep, victims, f"{fault}: ")
     if fault.startswith("swa_"):  # named by the window check, not by the spec guard's rewrite of the victim's row
