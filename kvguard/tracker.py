@@ -262,6 +262,7 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
         flags = (None,) if launch is None else \
             (torch.zeros(1, dtype=torch.int64, pin_memory=dev.type == "cuda"),)
         launch = launch or self.launcher(table, page_div=page_div, per_token=per_token)
+        guards += (WriteGuard.row_tail(launch.table, lens),)  # a spec step's (kvguard.sglang.spec)
         for dtype in (torch.int32, torch.int64):  # row indices arrive as either
             rows = torch.zeros(1, dtype=dtype, device=dev)
             for n_entries, guard in [(rows, None)] + [(lens, g) for g in guards]:

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from .launch import I32, DirectLaunch, spec
-from .write_guard import GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, WriteGuard, apply_guard, guard_writes  # also imported from here
+from .write_guard import (GUARD_NONE, GUARD_ONE, GUARD_SEGMENTS, GUARD_TAIL, WriteGuard, apply_guard,  # noqa: F401
+                          guard_mode, guard_tail, guard_writes)  # (WriteGuard, apply_guard: also imported from here)
 
 DEFAULT_BLOCK = 256  # NOTE: short chunks spread one long row over many programs (latency, not bandwidth, bounds a small check)
 
@@ -100,6 +101,7 @@ def _tag_check_kernel(
         tl.store(flag_ptr, stamp, mask=count > 0)
     # The write guard: any program that found a bad entry rewrites its request's write slots.
     guard_writes(out_ptr, out_starts_ptr, out_lens_ptr, b, count, scratch_slot, GUARD, BLOCK)
+    guard_tail(table_ptr, table_row, table_stride, out_starts_ptr, b, n, rows_ok, count, scratch_slot, GUARD, BLOCK)
 
 
 def block_sizes() -> list[int]:
@@ -125,7 +127,14 @@ def _validate_args(table, table_rows, expected_rows, n_entries, tags, expected, 
     if flag is not None and (flag.dtype != torch.int64 or flag.numel() < 1 or not flag.is_contiguous()):
         fail("flag", f"must be a contiguous int64 tensor of at least one cell, got {tuple(flag.shape)} {flag.dtype}")
 
-    if guard is not None:
+    if guard is not None and guard.tail:
+        if guard.slots is not table or entry_step != 1:
+            fail("guard", "with tail must guard the checked table itself (entry_step 1)")
+        if guard.starts is None or guard.starts.dim() != 1 or guard.starts.numel() != table_rows.numel() \
+                or guard.starts.dtype not in (torch.int32, torch.int64) or guard.starts.device != table.device:
+            fail("guard.starts", f"must be a 1-D int32/int64 tensor of one entry per batch entry "
+                                 f"({table_rows.numel()}) on {table.device}")
+    elif guard is not None:
         for name, t in (("guard.slots", guard.slots), ("guard.starts", guard.starts), ("guard.lens", guard.lens)):
             if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != table.device):
                 fail(name, f"must be a 1-D int32/int64 tensor on {table.device}, got {tuple(t.shape)} {t.dtype} {t.device}")
@@ -243,9 +252,9 @@ class CheckLaunch:
             raise ValueError(f"tag_check: verdict must be an int32 buffer of at least {batch * n_chunks} cells, "
                              f"got {verdict.numel()} {verdict.dtype}")
         out_verdict = verdict[:batch * n_chunks].view(batch, n_chunks)
-        mode = GUARD_NONE if guard is None else GUARD_ONE if guard.starts is None else GUARD_SEGMENTS
+        mode = guard_mode(guard)
         out = verdict if guard is None else guard.slots
-        starts = verdict if mode != GUARD_SEGMENTS else guard.starts
+        starts = guard.starts if mode in (GUARD_SEGMENTS, GUARD_TAIL) else verdict
         lens = verdict if mode != GUARD_SEGMENTS else guard.lens
         flag_t = verdict if flag is None else flag
         key = (blk, mode, flag is not None, spec(table_rows), spec(expected_rows), spec(n_entries), spec(verdict),
@@ -276,7 +285,7 @@ class CheckLaunch:
 
 
 class BoundCheck:
-    """A per-token check with a one-slot-per-request write guard, bound to one batch's expectation rows and to
+    """A per-token check with a one-slot-per-request (or row-tail) write guard, bound to one batch's expectation rows and to
     the caller's verdict buffers and flag cells (one of each per ring slot): a decode step's launch, in which
     only the table's row indices, the lengths, the write slots, the grid and the stamp change.
 
@@ -288,8 +297,10 @@ class BoundCheck:
     """
 
     def __init__(self, launch: CheckLaunch, table_rows: torch.Tensor, expected_rows: torch.Tensor,
-                 verdicts: list, flags: list, *, scratch_slot: int, n_dtype: torch.dtype, slot_dtype: torch.dtype):
+                 verdicts: list, flags: list, *, scratch_slot: int, n_dtype: torch.dtype, slot_dtype: torch.dtype,
+                 tail: bool = False):
         self.launch, self.table_rows, self.expected_rows = launch, table_rows, expected_rows
+        self.tail = tail  # the write guard is WriteGuard.row_tail's (a step's ``slots`` are then its starts)
         self.verdicts, self.flags, self.scratch_slot = verdicts, flags, scratch_slot
         self.batch = table_rows.numel()
         if expected_rows.numel() != self.batch:
@@ -298,7 +309,8 @@ class BoundCheck:
         t, e = launch.table, launch.expected
         self._widths = (-(-t.shape[1] // launch.entry_step), e.shape[1] * (launch.page_div if launch.per_token else 1))
         self._kernels = launch.bound_kernels  # compiled variants per (block, dtypes), shared by every binding
-        self._dtypes = (table_rows.dtype, expected_rows.dtype, n_dtype, slot_dtype)
+        mode = GUARD_TAIL if tail else GUARD_ONE
+        self._dtypes = (table_rows.dtype, expected_rows.dtype, n_dtype, slot_dtype, mode)
         kernel = launch.kernel
         self.direct = kernel.direct and not launch.reference
         self._raw = []
@@ -307,29 +319,31 @@ class BoundCheck:
             for verdict, flag in zip(verdicts, flags):
                 self._raw.append([t.data_ptr(), table_rows.data_ptr(), expected_rows.data_ptr(), 0, launch.tags.data_ptr(),
                                   e.data_ptr(), verdict.data_ptr(), t_stride, e_stride, t_rows, e_rows, 0,
-                                  launch.tags.numel() * launch.page_div, launch.scratch_page, 0, 0, verdict.data_ptr(),
-                                  verdict.data_ptr(), scratch_slot, flag.data_ptr(), 0, launch.entry_step,
-                                  launch.page_div, launch.per_token, launch.quarantine, GUARD_ONE, True, 0])
+                                  launch.tags.numel() * launch.page_div, launch.scratch_page, 0,
+                                  t.data_ptr() if tail else 0, verdict.data_ptr(), verdict.data_ptr(), scratch_slot,
+                                  flag.data_ptr(), 0, launch.entry_step, launch.page_div, launch.per_token,
+                                  launch.quarantine, mode, True, 0])
 
     def __call__(self, slot: int, table_rows: torch.Tensor, n_entries: torch.Tensor, slots: torch.Tensor,
                  max_entries: int, stamp: int) -> int:
         """One step: ``table_rows`` (the batch's row indices now: SGLang may hand a new tensor each step),
-        ``n_entries`` and ``slots`` of the bound batch size and dtypes."""
+        ``n_entries`` and ``slots`` (a tail guard's starts) of the bound batch size and dtypes."""
         blk = _block_for(max_entries, None)
         n_chunks = max(1, -(-max_entries // blk))
         kernel = self._kernels.get((blk,) + self._dtypes) if self.direct else None
         if kernel is None or n_entries.dtype != self.n_dtype or slots.dtype != self.slot_dtype \
                 or table_rows.dtype != self._dtypes[0] or not n_entries.numel() == slots.numel() \
                 == table_rows.numel() == self.batch or self.launch.kernel.hooked():
+            guard = WriteGuard.row_tail(self.launch.table, slots, self.scratch_slot) if self.tail else \
+                WriteGuard(slots, scratch=self.scratch_slot)
             self.launch(table_rows, self.expected_rows, n_entries, max_entries=max_entries,
-                        verdict=self.verdicts[slot], guard=WriteGuard(slots, scratch=self.scratch_slot),
-                        flag=self.flags[slot], stamp=stamp)
+                        verdict=self.verdicts[slot], guard=guard, flag=self.flags[slot], stamp=stamp)
             if self.direct and (n_entries.dtype, slots.dtype, table_rows.dtype) == \
                     (self.n_dtype, self.slot_dtype, self._dtypes[0]):
                 self._kernels[(blk,) + self._dtypes] = self.launch.kernel.kernels.get(self.launch.last_key)
             return self.batch * n_chunks
         args = self._raw[slot].copy()
-        args[1], args[3], args[15] = table_rows.data_ptr(), n_entries.data_ptr(), slots.data_ptr()
+        args[1], args[3], args[16 if self.tail else 15] = table_rows.data_ptr(), n_entries.data_ptr(), slots.data_ptr()
         args[20], args[27] = stamp, blk
         args[11], args[14] = min(n_chunks * blk, *self._widths), n_chunks
         self.launch.kernel.run(kernel, (self.batch, n_chunks, 1), args)
@@ -374,7 +388,7 @@ def tag_check_ref(table, table_rows, expected_rows, n_entries, tags, expected, *
     unchecked = torch.where(rows_ok, (n - cap).clamp(min=0), n.clamp(min=1)).to(torch.int32)
     verdict[:, 0] += unchecked
     if guard is not None:
-        apply_guard(guard, verdict.sum(1) > 0)
+        apply_guard(guard, verdict.sum(1) > 0, t_rows.where(rows_ok, -1), n)
     if flag is not None and bool(verdict.any()):
         flag.view(-1)[0] = stamp
     return verdict

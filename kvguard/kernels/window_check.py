@@ -94,6 +94,8 @@ def _validate(table, index_map, pair, pair_tag, tags, table_rows, n_entries, q, 
                         f"{tuple(verdict.shape)} {verdict.dtype}")
     if flag is not None and (flag.dtype != torch.int64 or flag.numel() < 1):
         fail("flag", f"must be an int64 tensor of at least one cell, got {flag.dtype}")
+    if guard is not None and guard.tail:
+        fail("guard", "with tail is the tag check's own (give this check the step's slots, or segments)")
     if guard is not None and guard.starts is None and guard.slots.numel() != batch:
         fail("guard.slots", f"has {guard.slots.numel()} slots for {batch} batch entries")
     devices = {t.device for t in (table, index_map, pair, pair_tag, tags, table_rows, n_entries, verdict)}

@@ -260,3 +260,41 @@ def test_bound_check_matches_reference_step_after_step(ps):
     assert int(want.sum()) > 0  # the broken requests were in reach
     if DEVICE.type == "cuda":
         assert launch.kernel.direct_launches >= 2  # later steps of a block size went direct
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_bound_check_with_a_row_tail_guard_matches_reference_step_after_step(ps):
+    """A spec step's bound launch (kvguard.sglang.spec): the write guard is the tail [starts, n_entries) of each
+    flagged request's row of the checked table itself. Step after step (a new ring slot each) the verdict, the flag
+    and the whole table equal the reference's (the flagged requests exactly)."""
+    from kvguard.kernels.tag_check import BoundCheck
+
+    case = token_case(zlib.crc32(f"tail-{ps}".encode()), 9, ps, width=320)
+    c = on(DEVICE, case)
+    ref_table = case["table"].clone()
+    launch = CheckLaunch(c["table"], c["tags"], c["expected"], page_div=ps, per_token=True, quarantine=False)
+    ring = 3
+    verdicts = [torch.full((9 * n_chunks_for(320),), -3, dtype=torch.int32, device=DEVICE) for _ in range(ring)]
+    host = torch.zeros(ring, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
+    flags = [host[i:i + 1] for i in range(ring)]
+    bound = BoundCheck(launch, c["rows"], c["rows"], verdicts, flags, scratch_slot=0, n_dtype=torch.int64,
+                       slot_dtype=torch.int64, tail=True)
+    gen = torch.Generator().manual_seed(ps)
+    for step, grow in enumerate((0, 9, 60, 150, 230)):
+        lens = (case["lens"] // 3 + grow).clamp(max=319)
+        starts = (lens - torch.randint(1, 9, lens.shape, generator=gen)).clamp(min=0)
+        slot = step % ring
+        cells = bound(slot, c["rows"], lens.to(DEVICE), starts.to(DEVICE), int(lens.max()), step + 1)
+        want = tag_check_ref(ref_table, case["rows"], case["rows"], lens, case["tags"], case["expected"],
+                             max_entries=int(lens.max()), page_div=ps, per_token=True, quarantine=False,
+                             guard=WriteGuard.row_tail(ref_table, starts))
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert cells == want.numel()
+        got = verdicts[slot][:cells].view(9, -1).cpu()
+        # which requests are flagged is exact; a flagged request's counts may include its own tail, rewritten by
+        # an earlier program of its row in the same launch (the reference guards after the whole check)
+        assert torch.equal(got.sum(1) > 0, want.sum(1) > 0) and bool((got >= want).all()), step
+        assert torch.equal(c["table"].cpu(), ref_table), step
+        assert (int(host[slot]) == step + 1) == bool(want.any())
+    assert int(want.sum()) > 0 and bool(ref_table.eq(0).any())  # flagged requests' tails were rewritten

@@ -469,3 +469,40 @@ def test_write_guard_rejects_a_mismatched_slot_count(fn):
     with pytest.raises(ValueError, match="guard.slots"):
         fn(*case.args(), max_entries=int(seq.max()), page_div=16, per_token=True, quarantine=False,
            guard=WriteGuard(torch.zeros(3, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_row_tail_guard_rewrites_exactly_the_flagged_rows_tails(seed):
+    """A spec step's guard (WriteGuard.row_tail): entries [starts[b], n_entries[b]) of each flagged request's row of
+    the checked table itself become the scratch slot; every other entry of the table is unchanged. One request's
+    row index lies outside the table: flagged, nothing written for it."""
+    from kvguard.kernels.tag_check import WriteGuard
+
+    case, seq, bad_b, _, _, _ = _guard_case(960 + seed, segments=False)
+    gen = torch.Generator().manual_seed(seed)
+    starts = (seq - torch.randint(1, 9, seq.shape, generator=gen)).clamp(min=0)
+    off = (bad_b + 1) % seq.numel()  # a second flagged request: its row is not in the table
+    case.table_rows[off] = case.table.shape[0] + 3
+    tables = {}
+    for fn in (tag_check, tag_check_ref):
+        table = case.table.clone()
+        verdict = fn(*case.args(table), max_entries=int(seq.max()), page_div=16, per_token=True, quarantine=False,
+                     guard=WriteGuard.row_tail(table, starts, scratch=3), block=16)
+        assert (verdict.sum(1) > 0).nonzero().flatten().tolist() == sorted([bad_b, off])
+        tables[fn.__name__] = table
+    want = case.table.clone()
+    want[int(case.table_rows[bad_b]), int(starts[bad_b]):int(seq[bad_b])] = 3
+    assert torch.equal(tables["tag_check"], want) and torch.equal(tables["tag_check_ref"], want)
+
+
+@pytest.mark.parametrize("fn", [tag_check, tag_check_ref])
+def test_row_tail_guard_must_guard_the_checked_table(fn):
+    from kvguard.kernels.tag_check import WriteGuard
+
+    case, seq = make_per_token_case(961, batch=4, page_size=16)
+    with pytest.raises(ValueError, match="guard"):
+        fn(*case.args(), max_entries=int(seq.max()), page_div=16, per_token=True, quarantine=False,
+           guard=WriteGuard.row_tail(case.table.clone(), seq))
+    with pytest.raises(ValueError, match="guard.starts"):
+        fn(*case.args(), max_entries=int(seq.max()), page_div=16, per_token=True, quarantine=False,
+           guard=WriteGuard.row_tail(case.table, seq[:3]))
