@@ -13,6 +13,8 @@ NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron
               "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "mamba_n_groups": 1,
               "conv_kernel": 4,
               "head_dim": 16}  # mamba2 layers beside attention
+# NemotronH with one MTP layer (full attention, no mamba layer of its own: SGLang drafts with NemotronHForCausalLMMTP)
+NEMOTRON_H_MTP = {**NEMOTRON_H, "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*"}
 DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "kv_lora_rank": 32,
                "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
                "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

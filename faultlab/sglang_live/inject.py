@@ -31,6 +31,9 @@ Environment
 ``FAULTLAB_SGLANG_CPU_MAMBA=1``
     Bind SGLang's mamba2 causal-conv1d names to its own Triton implementations (its XPU branch) on a plain CPU
     device (:mod:`.cpu_mamba`; with ``TRITON_INTERPRET=1``); tests only.
+``FAULTLAB_SGLANG_CPU_MAMBA_SPEC=1``
+    Route SGLang's CUDA-only speculative mamba-state commit scatters to its own portable scatter on a plain CPU
+    device (:mod:`.cpu_mamba_spec`); tests only.
 ``FAULTLAB_SGLANG_CPU_PD=1``
     SGLang's Mooncake prefill send path on a plain CPU device (:mod:`.cpu_pd`); tests only.
 ``FAULTLAB_SGLANG_SWA_CUDA_FREE=1``
@@ -132,6 +135,10 @@ now own (the victim's write slot is ``last_loc + 1`` from its broken row), which
     put at the head of the slot allocator's free list (``MambaSlotAllocator.free_slots``) while A still holds it,
     so the reuser's ``HybridReqToTokenPool.alloc`` receives it. Victim: A (the reuser, the slot's new holder, is
     not).
+``spec_mamba_index_swap``, ``spec_mamba_slot_reuse``  the same two on a hybrid model with speculative decoding (a spec
+    engine), between two spec steps: A's next verify would read and rewrite B's state (its commit scatter A's accepted
+    state into B's slot), or the reuser's prefill writes A's slot. Skipped (logged) on an engine without speculative
+    decoding. Victim: A.
 
 ``swa_cleared_entry``  sliding-window hybrids (``SWATokenToKVPoolAllocator``): when armed, candidate A's full slot at a
     position its next decode step reads through the sliding window gets its ``full_to_swa_index_mapping`` entry
@@ -223,6 +230,10 @@ def register(env=None) -> bool:
         from . import cpu_mamba
 
         cpu_mamba.install()
+    if env.get("FAULTLAB_SGLANG_CPU_MAMBA_SPEC") == "1":  # (faultlab/sglang_live/cpu_mamba_spec.py: ENV_VAR)
+        from . import cpu_mamba_spec
+
+        cpu_mamba_spec.install()
     if env.get("FAULTLAB_SGLANG_CPU_DP") == "1":  # (faultlab/sglang_live/cpu_dp.py: ENV_VAR)
         from . import cpu_dp
 

@@ -104,9 +104,21 @@ def _state_slot(req) -> int:
     return int(req.kv.mamba_pool_idx)
 
 
+def _not_spec(entry: Entry, batch) -> bool:
+    """A spec_mamba_* fault on an engine without speculative decoding: logged as skipped (True)."""
+    if entry.fault.startswith("spec_") and batch.spec_algorithm.is_none():
+        log("skipped", fault=entry.fault, seed=entry.seed, label=entry.label, reason="not a spec batch")
+        return True
+    return False
+
+
 def _strike_state_index(entry: Entry, batch) -> None:
     """mamba_index_swap: candidate A's state index (``req_index_to_mamba_index_mapping[A's row]``, what the forward
-    reads) names candidate B's slot; every Req keeps its own ``mamba_pool_idx``. Victim: A."""
+    reads) names candidate B's slot; every Req keeps its own ``mamba_pool_idx``. Victim: A. spec_mamba_index_swap: the
+    same, between two spec steps (the next step's verify would read and rewrite B's state, its commit scatter A's
+    accepted state into B's slot)."""
+    if _not_spec(entry, batch):
+        return None
     pool = batch.req_to_token_pool
     cands = [r for r in entry.candidates if not r.finished() and r.kv.mamba_pool_idx is not None]
     if len(cands) < 2:
@@ -121,9 +133,12 @@ def _strike_state_index(entry: Entry, batch) -> None:
 def _strike_state_reuse(entry: Entry, batch) -> None:
     """mamba_slot_reuse, at a reuser's prefill (before SGLang allocates): candidate A's state slot is put at the
     head of the slot allocator's free list while A still holds it, so the reuser's allocation receives it. Victim:
-    A (the reuser, its new holder, is not)."""
+    A (the reuser, its new holder, is not). spec_mamba_slot_reuse: the same on a spec engine (A between two spec
+    steps; the reuser's prefill writes A's slot)."""
     import torch
 
+    if _not_spec(entry, batch):
+        return None
     allocator = batch.req_to_token_pool.mamba_allocator
     live = [r for r in entry.candidates if not r.finished() and r.kv.mamba_pool_idx is not None]
     if not live:

@@ -40,11 +40,14 @@ SPEC_FAULTS = ("spec_region_entry", "rejected_page_freed", "draft_slot_reused")
 # Hybrid linear-attention / mamba models only (a HybridReqToTokenPool): mamba_index_swap strikes when armed, like a
 # decode fault; mamba_slot_reuse at a reuser's prefill, like a reuser fault (faultlab/sglang_live/path_strikes.py).
 MAMBA_FAULTS = ("mamba_index_swap", "mamba_slot_reuse")
+# Their twins on a hybrid model with speculative decoding (a spec engine: kvguard/sglang/mamba_spec.py), struck at the
+# same points, between two spec steps; skipped (logged) on an engine without speculative decoding.
+SPEC_MAMBA_FAULTS = ("spec_mamba_index_swap", "spec_mamba_slot_reuse")
 # Sliding-window hybrids only (SWATokenToKVPoolAllocator): strike when armed, like a decode fault, at a position inside
 # the victim's window (faultlab/sglang_live/path_strikes.py: _strike_swa).
 SWA_FAULTS = ("swa_cleared_entry", "swa_foreign_entry", "swa_freed_slot")
-FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + SPEC_FAULTS + MAMBA_FAULTS + SWA_FAULTS \
-    + (CONTROL, ABORT_CONTROL)
+FAULTS = DECODE_FAULTS + REUSER_FAULTS + ROW_FAULTS + PD_FAULTS + SPEC_FAULTS + MAMBA_FAULTS + SPEC_MAMBA_FAULTS \
+    + SWA_FAULTS + (CONTROL, ABORT_CONTROL)
 # what a sweep or a GPU fault run covers by default: the classes of the plain serving path (the aggregated
 # engine), in this order, and the twin control. ROW_FAULTS and PD_FAULTS are run by
 # tests/test_faultlab/test_sglang_live/test_sglang_paths.py.

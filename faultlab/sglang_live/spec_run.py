@@ -1,7 +1,7 @@
 """A CPU ``sglang.Engine`` with EAGLE speculative decoding for faultlab's harness, and the clean-step sweep.
 
     python -m faultlab.sglang_live.spec_run OUT_DIR [--episodes 9] [--no-overlap] [--mode check]
-        [--algorithm EAGLE|EAGLE3|NEXTN|STANDALONE] [--target mla|glm] [--faults a,b]
+        [--algorithm EAGLE|EAGLE3|NEXTN|STANDALONE] [--target mla|glm|nemotron_h] [--faults a,b]
 
 runs fault-free episodes of :data:`SWEEP_WORKLOAD` on one EAGLE (3/1/4) engine through
 :mod:`faultlab.sglang_live.harness` and prints the spec steps SGLang ran (faultlab's count of
@@ -14,7 +14,8 @@ ops under Triton's interpreter (``TRITON_INTERPRET=1``; :mod:`.cpu_spec`), CUDA 
 draft (``LlamaForCausalLMEagle``; ``LlamaForCausalLMEagle3`` needs ``draft_vocab_size``); NEXTN (MTP) on a tiny
 DeepSeek-V3 with one MTP layer (multi-head latent attention), its own draft. ``--target mla``: an EAGLE or EAGLE3
 draft (the tiny Llama's width and vocabulary) in front of a tiny DeepSeek-V2 (MLA) target instead of the tiny Llama;
-with NEXTN, ``--target glm``: a tiny GLM-4.5 (grouped-query attention) with an MTP layer instead of the DeepSeek-V3.
+with NEXTN, ``--target glm``: a tiny GLM-4.5 (grouped-query attention) with an MTP layer instead of the DeepSeek-V3;
+``--target nemotron_h``: a tiny NemotronH (mamba2 beside attention, a hybrid state pool) with an MTP layer.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import json
 import os
 import sys
 
-from .families import GLM4_MOE_MTP
+from .families import GLM4_MOE_MTP, NEMOTRON_H_MTP
 from .harness import TINY_DEEPSEEK_MTP, TINY_MLA, spawn, write_model
 from .plan import ENV_CPU_SPEC
 
@@ -41,7 +42,8 @@ DRAFTS = {"EAGLE": {"architectures": ["LlamaForCausalLMEagle"], "num_hidden_laye
 # in front of the tiny Llama (None) or a tiny DeepSeek-V2 (MLA); NEXTN: a tiny DeepSeek-V3 (MLA, the default) or a
 # tiny GLM-4.5 (grouped-query attention), each with one MTP layer
 TARGET_MODELS = {"llama": None, "mla": TINY_MLA}
-MTP_TARGETS = {"llama": TINY_DEEPSEEK_MTP, "mla": TINY_DEEPSEEK_MTP, "glm": GLM4_MOE_MTP}
+MTP_TARGETS = {"llama": TINY_DEEPSEEK_MTP, "mla": TINY_DEEPSEEK_MTP, "glm": GLM4_MOE_MTP,
+               "nemotron_h": NEMOTRON_H_MTP}
 TARGET_NAMES = sorted(set(TARGET_MODELS) | set(MTP_TARGETS))
 WORKLOAD = {"n1": 3, "n2": 0, "prefix": 24, "new1": 12, "new2": 4}  # a test episode: few requests, few steps
 SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~100 verify steps of 8 requests each

@@ -10,7 +10,7 @@ from typing import Any
 
 from .path_strikes import _strike_spec, _strike_state_index, _strike_state_reuse, _strike_swa
 from .plan import (ABORT_CONTROL, CONTROL, DECODE_FAULTS, MAMBA_FAULTS, PD_FAULTS, REUSER_FAULTS, ROW_FAULTS,
-                   SPEC_FAULTS, SWA_FAULTS, Entry)
+                   SPEC_FAULTS, SPEC_MAMBA_FAULTS, SWA_FAULTS, Entry)
 from .runtime import State, label_of, log
 from .strike_tools import (_free_to_head, _log_inject, _num_pages, _page_size, _row, _seq_len, _written_pages, here,
                           ranks)
@@ -65,7 +65,7 @@ def before_prepare_for_decode(batch, *args, **kwargs):
         elif entry.fault in SPEC_FAULTS:
             entry.done = True
             _strike_spec(entry, batch)
-        elif entry.fault == "mamba_index_swap":
+        elif entry.fault in ("mamba_index_swap", SPEC_MAMBA_FAULTS[0]):
             entry.done = True
             _strike_state_index(entry, batch)
         elif entry.fault in SWA_FAULTS:
@@ -200,13 +200,16 @@ def _strike_decode(entry: Entry, batch) -> None:
     _log_inject(entry, [victim], rows=[row], pages=[page, new_page], entries=[[lo, hi]], **info)
 
 
+STATE_REUSE = (MAMBA_FAULTS[1], SPEC_MAMBA_FAULTS[1])  # struck at a reuser's prefill, as the reuser faults
+
+
 def around_alloc_for_extend(original, batch, *args, **kwargs):
     State.chunk_continuations += sum(bool(r.kv.holds_kv) for r in batch.reqs)
     for entry in State.plan:
-        if entry.armed and not entry.done and entry.fault in REUSER_FAULTS + (ABORT_CONTROL, MAMBA_FAULTS[1]):
+        if entry.armed and not entry.done and entry.fault in REUSER_FAULTS + (ABORT_CONTROL,) + STATE_REUSE:
             if any(entry.is_reuser(r) and not r.kv.holds_kv for r in batch.reqs):
                 entry.done = True
-                _strike_state_reuse(entry, batch) if entry.fault in MAMBA_FAULTS else _strike_reuse(entry, batch)
+                _strike_state_reuse(entry, batch) if entry.fault in STATE_REUSE else _strike_reuse(entry, batch)
     result = original(batch, *args, **kwargs)
     if any(e.watch for e in State.plan):
         out_cache_loc = result[0]

@@ -43,6 +43,7 @@ class Facts:
     deepseek_v4: bool = False  # DeepSeek-V4's own hybrid pool
     hybrid_linear: bool = False
     mamba_strategy: str = "auto"  # mamba_radix_cache_strategy as given on the launch line (SGLang resolves "auto" later)
+    linear_replayssm: bool = False  # enable_linear_replayssm or enable_linear_replayssm_spec: ReplaySSM state rings
     encoder_decoder: bool = False
     streaming_session: bool = False
     session_radix_cache: bool = False
@@ -94,6 +95,8 @@ def facts_of(server_args: Any, model_config: Any = None) -> Facts:
         overlap=not bool(_get(server_args, "disable_overlap_schedule", False)),
         radix=not bool(_get(server_args, "disable_radix_cache", False)),
         mamba_strategy=str(_get(server_args, "mamba_radix_cache_strategy", "auto")),
+        linear_replayssm=bool(_get(server_args, "enable_linear_replayssm", False))
+        or bool(_get(server_args, "enable_linear_replayssm_spec", False)),
         chunked=isinstance(chunk, int) and chunk > 0,
         mixed_chunk=bool(_get(server_args, "enable_mixed_chunk", False)),
         **model,

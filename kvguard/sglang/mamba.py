@@ -35,9 +35,9 @@ captured check's no-wait fast path (its verdict is read after this check's event
 ITL is not measured yet.
 
 With the radix cache on (``no_buffer``), the tree's own state slots and each copy out of them are followed by
-:mod:`kvguard.sglang.mamba_radix` (``follower.tree``; its flags are folded into this check's). Not followed, and
-refused by the registry (kvguard.sglang.paths): the extra-buffer tracking slots and the int8 checkpoint pool,
-speculative decoding's intermediate state, virtual slot ids (the unified memory pool).
+:mod:`kvguard.sglang.mamba_radix` (``follower.tree``; its flags are folded into this check's); a speculative step's
+check and its commit by :mod:`kvguard.sglang.mamba_spec`. Not followed, and refused by the registry (kvguard.sglang.paths): the extra-buffer
+tracking slots and the int8 checkpoint pool, ReplaySSM's state rings, virtual slot ids (the unified memory pool).
 
 Only functions of this module import SGLang, and only when they run.
 """
@@ -110,7 +110,8 @@ class StateFollower:
         self.events = [torch.cuda.Event() for _ in range(RING)] if cuda else None
         self.turn = 0
         self.version = 0  # bumped on every record (what a composition's expectation depends on)
-        # id(pending) -> (pending, ring slot, n, folded into its agreed KV verdict): launched, verdict unread
+        # id(pending) -> (pending, ring slot, n, folded into its agreed KV verdict: True, "agreed" after a spec commit
+        # agreed its own flags, kvguard.sglang.mamba_spec): launched, verdict unread
         self.open: dict[int, tuple] = {}
         self.kept = 0  # slots an aborted request did not free (handed to another request since)
         self.tree = TreeStates(self, SCRATCH_STATE)  # the radix tree's state slots (kvguard.sglang.mamba_radix)
@@ -246,13 +247,14 @@ class StateFollower:
         def _resolve(pending, group=None, *args, **kwargs):
             flagged = resolve(pending, group, *args, **kwargs)
             entry = self.open.get(id(pending))
-            if entry is not None and entry[3]:  # attention TP: the agreed verdict carried this check's flags
+            if entry is not None and entry[3] is True:  # attention TP: the agreed verdict carried this check's flags
                 if not flagged:  # nothing flagged on any rank, this check's flags included
                     del self.open[id(pending)]
                     return flagged
                 return self._own_cause(flagged, self.flagged(pending))
+            agreed = entry is not None and entry[3] == "agreed"  # (and a spec commit's: kvguard.sglang.mamba_spec)
             mine = self.flagged(pending)
-            if group is not None:  # a verdict not agreed on the device: every rank drops the same requests
+            if group is not None and not agreed:  # not agreed on the device: every rank drops the same requests
                 mine = self._agree(pending, mine, group)
             if not mine:
                 return flagged

@@ -257,11 +257,19 @@ PATHS: tuple[Path, ...] = (
          "HybridReqToTokenPool (PD decode's, the unified memory pool's virtual slot ids)",
          "state slots handed out or translated outside HybridReqToTokenPool.alloc are not recorded", "",
          lambda f: f.hybrid_linear and f.disaggregation_mode != "null"),
-    Path("hybrid_linear_speculative", REFUSED, "a hybrid linear-attention model with speculative_algorithm set",
-         "kvguard's spec step check (kvguard/sglang/spec.py) does not launch the recurrent-state check: the verify "
-         "forward reads each request's state slot (and rewrites its conv state in place) and the commit copies the "
-         "accepted step's state into it (HybridLinearAttnBackend.update_mamba_state_after_mtp_verify), unchecked", "",
-         lambda f: f.hybrid_linear and f.speculative_algorithm is not None),
+    Path("hybrid_linear_speculative", CHECKED, "a hybrid linear-attention model with a checked speculative "
+         "algorithm, chain drafting, no ReplaySSM", "each spec step's recurrent-state check rides beside its KV check, "
+         "before the step's first forward (a state index not the request's own slot at its own generation is pointed "
+         "at the dummy slot before the verify reads it); the commit (HybridLinearAttnBackend."
+         "update_mamba_state_after_mtp_verify) scatters only into each request's recorded slot, any other destination "
+         "pointed at the dummy slot and its request flagged; aborted alone (kvguard/sglang/mamba_spec.py)",
+         "tests/test_faultlab/test_sglang_live/test_sglang_mamba_spec.py (NemotronH with an MTP layer, NEXTN 3/1/4); "
+         "tests/test_kvguard/test_sglang/test_sglang_mamba_spec_commit.py",
+         lambda f: f.hybrid_linear and _spec_checked(f) and not f.linear_replayssm),
+    Path("hybrid_linear_spec_replayssm", REFUSED, "a hybrid linear-attention model with speculative decoding and "
+         "enable_linear_replayssm[_spec]", "ReplaySSM's commit folds per-slot rings of its own (and KDA's fused-accept "
+         "pool) instead of scattering into the recorded slots: not followed", "",
+         lambda f: f.hybrid_linear and f.speculative_algorithm is not None and f.linear_replayssm),
     Path("hybrid_linear_tensor_parallel", CHECKED, "a hybrid linear-attention model with tp_size > 1",
          "each rank checks its own recurrent-state table and slots; the state check is launched right before the KV "
          "check's verdict is agreed and its per-request flags are MAXed into that verdict ahead of the ranks' one "
@@ -320,18 +328,15 @@ PATHS: tuple[Path, ...] = (
     Path("pd_decode_kv_offload", REFUSED, "disaggregation_decode_enable_offload_kvcache=True",
          "the PD decode side offloads finished KV to host storage and back outside the tree checkpoint", "",
          lambda f: f.decode_kv_offload),
-    Path("pd_decode_retraction_backup", CHECKED,
-         "disaggregation_mode=decode with disaggregation_decode_retraction_backup=cpu_tensor or host_pool, or unset "
-         "(SGLang resolves host_pool for an MHA pool, cpu_tensor for an MLA or hybrid linear-attention model, decode "
-         "context parallel or decode KV offload)",
+    Path("pd_decode_retraction_backup", CHECKED, "disaggregation_mode=decode with "
+         "disaggregation_decode_retraction_backup=cpu_tensor or host_pool, or unset (SGLang resolves host_pool for an MHA pool, cpu_tensor for an MLA or "
+         "hybrid linear-attention model, decode context parallel or decode KV offload)",
          "a retracted request's row [0, seqlen - 1) is checked before its KV is copied out through it (cpu_tensor: "
-         "Req.offload_kv_cache; host_pool: UnifiedRadixCache.backup_kv_cache into the tree's host pool; broken: "
-         "nothing copied, the request aborted with kvguard's error, released safely), and its new row, recorded at "
-         "_pre_alloc with the tags of that allocation, is checked before the saved KV is written back through it "
-         "(kvguard.sglang.pd_backup)",
-         "tests/test_kvguard/test_sglang/test_sglang_pd_backup.py (SGLang's PD decode scheduling, retract and "
-         "resume, on its real pools and decode tree; host_pool on its HybridCacheController and "
-         "MHATokenToKVPoolHost, direct IO backend)",
+         "Req.offload_kv_cache; host_pool: UnifiedRadixCache.backup_kv_cache; broken: nothing copied, the request "
+         "aborted, released safely), and its new row, recorded at _pre_alloc with that allocation's tags, is checked "
+         "before the saved KV is written back through it (kvguard.sglang.pd_backup)",
+         "tests/test_kvguard/test_sglang/test_sglang_pd_backup.py (SGLang's PD decode scheduling, retract and resume, "
+         "on its real pools and decode tree; host_pool on its HybridCacheController and MHATokenToKVPoolHost)",
          lambda f: f.disaggregation_mode == "decode" and retraction_backup(f) in ("cpu_tensor", "host_pool")),
     Path("pd_decode_host_receive", REFUSED,
          "disaggregation_mode=decode with disaggregation_decode_host_receive_threshold < 1 (decode host KV "

@@ -57,6 +57,10 @@ target                                                             type    in   
 ``finalize_match_result_in_cache`` (AFTER), ``managers.``                  radix    generation the tree took each
 ``schedule_batch.ScheduleBatch._collect_deferred_mamba_cow_and_``                   state slot at, checked where a
 ``clear``                                                                           matching request's copy is staged
+``...hybrid_linear_attn_backend.HybridLinearAttnBackend.``         AROUND  mamba_   a hybrid model's spec commit: each
+``update_mamba_state_after_mtp_verify``                                    spec     destination state slot must be its
+                                                                                    request's own (else the dummy slot,
+                                                                                    the request flagged)
 ``disaggregation.`` (four more targets)                            both    pd       PD on a real transfer backend:
                                                                                     the transfer's ticket and release
 ``mem_cache.common.backup_kv_cache``, ``restore_kv_cache``,        AROUND  pd_      PD decode's retraction backup: the
@@ -92,7 +96,8 @@ from typing import Mapping
 from ..incidents import prepare_dir
 from ..metrics import metrics_for
 from ..settings import SettingsError, TrackerConfig
-from . import batches, dp_attention, graphs, hicache, mamba, mamba_radix, pd, pd_backup, runtime, spec, startup, swa
+from . import (batches, dp_attention, graphs, hicache, mamba, mamba_radix, mamba_spec, pd, pd_backup, runtime, spec,
+               startup, swa)
 from .runtime import KVGuardStartupError, guard_of, stamp_transfer, transfer_ticket
 from .startup import _resolved, covered, guards, install, server_refusal
 
@@ -104,7 +109,7 @@ log = logging.getLogger("kvguard.sglang")
 _SRT = "sglang.srt"
 _SCHEDULER = f"{_SRT}.managers.scheduler.Scheduler"
 # The path modules, each with its HOOKS table: name -> (SGLang target, kvguard's hook, HookRegistry type).
-_PATHS = (startup, pd, pd_backup, batches, graphs, dp_attention, spec, mamba, mamba_radix, swa, hicache)
+_PATHS = (startup, pd, pd_backup, batches, graphs, dp_attention, spec, mamba, mamba_radix, mamba_spec, swa, hicache)
 # The hooks no path module's table holds: the two install points (this module's own, below) and SGLang's releases
 # between steps and the stale-row abort (kvguard.sglang.release, kvguard.sglang.stale: hooks() names them).
 TARGETS = {

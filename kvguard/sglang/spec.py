@@ -35,7 +35,8 @@ write guard: every position the step's sliding-window layers (target and draft) 
 must map through ``full_to_swa_index_mapping`` to the SWA slot the allocator paired with its full slot, whose page
 still carries the tag it had then (:meth:`SWASide.check <kvguard.sglang.swa.SWASide.check>`). The reserve's pairs
 are recorded where every pairing is: ``alloc_for_spec_decode`` allocates through the composite allocator's
-``alloc`` / ``alloc_extend``, which pair through ``set_full_to_swa_mapping``.
+``alloc`` / ``alloc_extend``, which pair through ``set_full_to_swa_mapping``. On a hybrid linear-attention / mamba
+model the step's recurrent-state check follows, and its commit is guarded (:mod:`kvguard.sglang.mamba_spec`).
 
 The verdict is read where SGLang's result processing reads the sampled ids, before any of the step's tokens are
 committed or streamed (``batches._around_process_batch_result_decode``), and flagged requests are aborted through
@@ -53,8 +54,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.tag_check import WriteGuard
+from ..kernels.tag_check import BoundCheck, WriteGuard
 from ..tracker import copy_to_device
+from . import mamba_spec
 from .guard import PADDING_ROW, SCRATCH_SLOT, Pending
 from .paths import SPEC_CHECKED as CHECKED_ALGORITHMS  # noqa: F401  (the registry holds the list; re-exported)
 
@@ -68,6 +70,7 @@ class SpecStep:
     n_entries: torch.Tensor  # [B] device: each request's nxt (entries [0, nxt) are read and checked)
     max_entries: int
     total: int
+    rows_: object  # the composition's rows (SGLangGuard.batch_rows): what fire's bound launch is bound to
     agreement: object = None  # attention TP's VerdictAgreement, or None (one rank)
 
 
@@ -238,7 +241,7 @@ def arm(guard, batch, nxt, nxt_cpu, stale, any_stale) -> Pending:
 
     rows_ = guard.batch_rows(batch)
     lens = nxt_cpu.numpy()
-    step = SpecStep(nxt, int(lens.max()), int(lens.sum()),
+    step = SpecStep(nxt, int(lens.max()), int(lens.sum()), rows_,
                     None if runtime._ONE_RANK else (runtime._GROUP[0] if runtime._GROUP else runtime._attn_tp())[1])
     # (positional: Pending's fields in order; ``batch`` holds the armed step until it is launched)
     pending = Pending(guard, None, rows_.snapshot, -1, 0, stale, None, None, rows_.owner_dev,
@@ -252,29 +255,46 @@ def fire(pending: Pending, seq_lens: torch.Tensor) -> None:
     ``seq_lens``: the batch's committed lengths as the forward reads them (device)."""
     step, pending.batch = pending.batch, None
     guard = pending.guard
-    table = guard.req_to_token_pool.req_to_token
     ring = guard._ring or guard._make_ring()
     slot, stamp = ring.next()
     n = len(pending.reqs)
     rows = pending.table_rows
-    # The step's writes (draft, verify, draft extend) land at the slots of entries [seq_lens, nxt): SGLang's own
-    # base for them. A flagged request's entries there are rewritten to the padding slot by the check's launch.
-    write_guard = WriteGuard(table.view(-1), torch.add(seq_lens, rows, alpha=table.shape[1]), step.n_entries - seq_lens,
-                             scratch=SCRATCH_SLOT)
-    pending.check = guard.tracker.check(ring.launch, pending.rows, step.n_entries, max_entries=step.max_entries,
-                                        table_rows=rows, verdict=ring.verdict(slot, n, step.max_entries),
-                                        flag=ring.flag_cells[slot], stamp=stamp, guard=write_guard,
-                                        entries_hint=step.total)
-    if guard.swa is not None:  # a sliding-window hybrid: the window the step's SWA layers read, into the same verdict
-        # (q = nxt - seq_lens: the step's query positions [seq_lens, nxt) read back to seq_lens - window)
-        guard.swa.check(rows, step.n_entries, pending.check.verdict, q=write_guard.lens, guard=write_guard,
-                        flag=ring.flag_cells[slot], stamp=stamp)
+    # The step's writes (draft, verify, draft extend) land at the slots of entries [seq_lens, nxt) of each row:
+    # SGLang's own base for them. The launch rewrites a flagged request's entries there to the padding slot
+    # (WriteGuard.row_tail: no tensor built per step).
+    bound = _bound(guard, step.rows_, ring, rows, step.n_entries, seq_lens)
+    with guard.tracker.lock:
+        pending.cells = bound(slot, rows, step.n_entries, seq_lens, step.max_entries, stamp)
+        if guard.swa is not None:  # a sliding-window hybrid: the window the step's SWA layers read, into the same
+            # verdict (q = nxt - seq_lens: the step's query positions [seq_lens, nxt) read back to seq_lens - window)
+            table = guard.req_to_token_pool.req_to_token
+            q = step.n_entries - seq_lens
+            write_guard = WriteGuard(table.view(-1), torch.add(seq_lens, rows, alpha=table.shape[1]), q,
+                                     scratch=SCRATCH_SLOT)
+            guard.swa.check(rows, step.n_entries, ring.buffers()[slot][:pending.cells].view(n, -1), q=q,
+                            guard=write_guard, flag=ring.flag_cells[slot], stamp=stamp)
+    guard.tracker.count_check(step.total)
+    side = mamba_spec.launch(pending, rows, step.agreement)  # a hybrid model's recurrent-state check, beside it
     if step.agreement is not None:
-        pending.agreed = ring.agree(slot, pending.check.verdict.numel(), n,
-                                    pending.stale if pending.any_stale else None, step.agreement)
+        pending.agreed = ring.agree(slot, pending.cells, n,
+                                    pending.stale if pending.any_stale else None, step.agreement, side)
     ring.copy_flag(slot)
     pending.slot, pending.stamp = slot, stamp
     pending.ready = ring.record(slot) if ring.use_events else None
+
+
+def _bound(guard, rows_, ring, table_rows, n_entries, seq_lens) -> BoundCheck:
+    """The check bound to a composition's rows, with the row-tail write guard (built when the composition or the
+    ring's buffers change, right before its launch: a binding holds the buffers' pointers)."""
+    cached = guard.__dict__.get("_kvguard_spec_bound")
+    if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
+        return cached[2]
+    ring.reserve(table_rows.numel(), guard.req_to_token_pool.req_to_token.shape[1])
+    ring.bindings += 1
+    bound = BoundCheck(ring.launch, table_rows, rows_.owner_dev, ring.buffers(), ring.flag_cells,
+                       scratch_slot=SCRATCH_SLOT, n_dtype=n_entries.dtype, slot_dtype=seq_lens.dtype, tail=True)
+    guard._kvguard_spec_bound = (rows_, ring.generation, bound)
+    return bound
 
 
 def around_spec_forward(original, worker, batch, *args, **kwargs):
