@@ -101,6 +101,10 @@ class StateFollower:
         self.table = pool.req_index_to_mamba_index_mapping  # int32 [rows]: the slot each row's forward reads
         allocator = pool.mamba_allocator
         self.gens = torch.zeros(int(allocator.size) + 1, dtype=torch.int64, device=self.device)  # [slots]
+        # NOTE: made once, on the device: a CUDA tensor built from a host scalar per call is a pageable copy that waits
+        # for the stream (under the overlap scheduler, the forward in flight: 200 ms per prefill batch at c=64 on an
+        # H100, GDN; bench/results/sglang_gpu_dec06e/call3_mamba_c64)
+        self._none = torch.full((), -1, dtype=torch.int64, device=self.device)  # a request with no record expects it
         self.check = StateCheck(self.table, self.gens, SCRATCH_STATE)
         cap = self.table.shape[0]
         self.bad = [torch.zeros(cap, dtype=torch.int32, device=self.device) for _ in range(RING)]
@@ -150,7 +154,7 @@ class StateFollower:
         cached = self.__dict__.get("_expected")
         if cached is not None and cached[0] is reqs and cached[1] == len(reqs) and cached[2] == self.version:
             return cached[3], cached[4]
-        none = (torch.tensor(-1, device=self.device), torch.tensor(-1, device=self.device))
+        none = (self._none, self._none)
         recs = [req.__dict__.get("kvguard_state") or none for req in reqs]
         slots = torch.stack([r[0] for r in recs])
         gens = torch.stack([r[1] for r in recs])

@@ -86,7 +86,7 @@ class TreeStates:
             return
         rec = req.__dict__.get("kvguard_state")
         if rec is None:
-            self.took(slot, torch.tensor(POISONED, device=self.gens.device))
+            self.took(slot, torch.full((), POISONED, dtype=torch.int64, device=self.gens.device))  # (no host copy)
             return
         self.took(slot, torch.where(rec[0] == slot, rec[1], POISONED))
 
@@ -125,7 +125,7 @@ class TreeStates:
                 req.__dict__["kvguard_cow_read"] = req.__dict__.pop(COW_FLAG)  # what the message reads
         self.unread = max(0, self.unread - len(idx))
         if idx:
-            where = torch.tensor(idx, dtype=torch.int64, device=bad.device)
+            where = self.follower.guard.to_device(idx, torch.int64)  # (pinned, async: no wait for the stream)
             bad.index_copy_(0, where, torch.maximum(bad[where], torch.stack(flags).to(bad.device)))
 
     def cause(self, req) -> str | None:
