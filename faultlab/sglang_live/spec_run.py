@@ -45,6 +45,7 @@ TARGET_MODELS = {"llama": None, "mla": TINY_MLA}
 MTP_TARGETS = {"llama": TINY_DEEPSEEK_MTP, "mla": TINY_DEEPSEEK_MTP, "glm": GLM4_MOE_MTP,
                "nemotron_h": NEMOTRON_H_MTP}
 TARGET_NAMES = sorted(set(TARGET_MODELS) | set(MTP_TARGETS))
+HYBRID_TARGETS = ("nemotron_h",)  # linear-attention state beside attention (engine_spec sets its CPU path up)
 WORKLOAD = {"n1": 3, "n2": 0, "prefix": 24, "new1": 12, "new2": 4}  # a test episode: few requests, few steps
 SWEEP_WORKLOAD = {"n1": 8, "n2": 0, "prefix": 24, "new1": 120, "new2": 4}  # ~100 verify steps of 8 requests each
 
@@ -62,13 +63,22 @@ def engine_spec(folder: str, *, overlap: bool, mode: str, episodes: list, algori
         raise ValueError(f"model: a target of its own, not with --target {target!r} or {algorithm}")
     draft = None if DRAFTS[algorithm] is None else \
         write_model(os.path.join(folder, f"draft_{algorithm.lower()}"), DRAFTS[algorithm] or model)
+    hybrid = {}
+    if target in HYBRID_TARGETS:  # a hybrid state pool: SGLang's mamba kernels on the CPU, the no_buffer strategy
+        # (SGLang refuses it with the overlap scheduler), radix cache off
+        from .cpu_mamba import ENV_VAR as ENV_CPU_MAMBA
+        from .cpu_mamba_spec import ENV_VAR as ENV_CPU_MAMBA_SPEC
+
+        overlap, hybrid = False, {"radix": False, "env": {ENV_CPU_MAMBA: "1", ENV_CPU_MAMBA_SPEC: "1"},
+                                  "engine": {"mamba_radix_cache_strategy": "no_buffer"}}
     return {"device": "cpu", "page_size": 1, "overlap": overlap, "attention_backend": "triton",
-            "env": {"KVGUARD_MODE": mode, "TRITON_INTERPRET": "1", ENV_CPU_SPEC: "1"},
+            "radix": hybrid.get("radix", True),
+            "env": {"KVGUARD_MODE": mode, "TRITON_INTERPRET": "1", ENV_CPU_SPEC: "1", **hybrid.get("env", {})},
             "workload": {**WORKLOAD, **(workload or {})},
             "model": model or (MTP_TARGETS[target] if mtp else TARGET_MODELS[target]),
             # NOTE: one KV split per request in the Triton decode kernel: fewer interpreted programs (a speed knob)
             "engine": {"speculative_algorithm": algorithm, **CHAIN, "disable_cuda_graph": True,
-                       "triton_attention_num_kv_splits": 1,
+                       "triton_attention_num_kv_splits": 1, **hybrid.get("engine", {}),
                        **({} if draft is None else {"speculative_draft_model_path": draft})},
             "episodes": episodes}
 

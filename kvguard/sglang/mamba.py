@@ -115,7 +115,7 @@ class StateFollower:
         self.turn = 0
         self.version = 0  # bumped on every record (what a composition's expectation depends on)
         # id(pending) -> (pending, ring slot, n, folded into its agreed KV verdict: True, "agreed" after a spec commit
-        # agreed its own flags, kvguard.sglang.mamba_spec): launched, verdict unread
+        # agreed its own flags, kvguard.sglang.mamba_spec, then this rank's own flags fifth): launched, verdict unread
         self.open: dict[int, tuple] = {}
         self.kept = 0  # slots an aborted request did not free (handed to another request since)
         self.tree = TreeStates(self, SCRATCH_STATE)  # the radix tree's state slots (kvguard.sglang.mamba_radix)
@@ -196,13 +196,16 @@ class StateFollower:
         entry = self.open.pop(id(pending), None)
         if entry is None or entry[0] is not pending:
             return []
-        _, k, n, _ = entry
+        k, n = entry[1], entry[2]
         if self.events is not None:
             self.events[k].synchronize()  # recorded right after the check: long done when the forward's ids are in
         bad = self.host_np[k][:n]
         if not bad.any():
             return []
-        return [(req, self.message(req, i, pending), False) for i, req in enumerate(pending.reqs)
+        # (a spec commit agreed under attention TP, kvguard.sglang.mamba_spec: this rank's own flags, the rest a peer's)
+        own = entry[4].tolist() if len(entry) > 4 else None
+        return [(req, self.message(req, i, pending) if own is None or own[i] else self._peer(req), False)
+                for i, req in enumerate(pending.reqs)
                 if bad[i] and not req.finished() and not req.__dict__.get("kvguard_aborted")]
 
     def message(self, req, i: int, pending) -> str:
@@ -258,7 +261,9 @@ class StateFollower:
                 return self._own_cause(flagged, self.flagged(pending))
             agreed = entry is not None and entry[3] == "agreed"  # (and a spec commit's: kvguard.sglang.mamba_spec)
             mine = self.flagged(pending)
-            if group is not None and not agreed:  # not agreed on the device: every rank drops the same requests
+            if agreed:  # the check's flags came in the agreed verdict too: this rank's own cause where it has one
+                flagged = self._own_cause(flagged, mine)
+            elif group is not None:  # not agreed on the device: every rank drops the same requests
                 mine = self._agree(pending, mine, group)
             if not mine:
                 return flagged
@@ -277,13 +282,19 @@ class StateFollower:
     @staticmethod
     def _agree(pending, mine: list, group) -> list:
         """The requests flagged on any rank (one CPU all-reduce): (req, message, False)."""
-        from .aborts import ABORT_MESSAGE, _all_reduce_max
+        from .aborts import _all_reduce_max
 
         here = {id(item[0]): item for item in mine}
         agreed = _all_reduce_max([int(id(req) in here) for req in pending.reqs], group)
-        return [here.get(id(req)) or (req, f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, "
-                                           f"recurrent-state slot)", False)
-                for req, flag in zip(pending.reqs, agreed) if flag]
+        return [here.get(id(req)) or (req, StateFollower._peer(req), False) for req, flag in zip(pending.reqs, agreed)
+                if flag]
+
+    @staticmethod
+    def _peer(req) -> str:
+        """Why a request flagged on another attention-TP rank only is aborted here."""
+        from .aborts import ABORT_MESSAGE
+
+        return f"{ABORT_MESSAGE} on a peer tensor-parallel rank (request {req.rid}, recurrent-state slot)"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ log = logging.getLogger("kvguard.sglang")
 _SRT = "sglang.srt"
 REFUSED_REPLAY = "hybrid_linear_spec_replayssm"  # kvguard.sglang.paths: a state pool whose commit is not followed
 AGREED = "agreed"  # a StateFollower.open entry's fourth field: its flags (check's and commit's) agreed by every rank
+# (its fifth: this rank's own flags, int32 [n] on the device)
 
 
 def launch(pending, rows: torch.Tensor, agreement=None) -> torch.Tensor | None:
@@ -117,10 +118,14 @@ def commit_guard(follower, pending, entry: tuple, dst: torch.Tensor, agreement=N
     """Each commit destination ``dst[i]`` (int32 [n], SGLang's own tensor, rewritten in place) that is not request
     ``i``'s recorded slot is pointed at the dummy slot and flagged in the step's state flags. Device only, no sync.
     Returns this commit's own flags (int32 [n]; agreed across the ranks under attention TP)."""
-    _, k, n, folded = entry
+    k, n, folded = entry[1], entry[2], entry[3]
     slots, _ = follower.expected(pending.reqs)  # [n] int64, the per-composition expectation (cached)
     wrong = (dst.to(torch.int64) != slots).to(torch.int32)  # [n]
+    own = None
     if agreement is not None:  # every rank must flag the same requests: MAX over the ranks, on the stream
+        # (this rank's own flags, its check's and its commit's, kept apart: the verdict explains those here and names
+        # the rest a peer's, StateFollower.flagged; the agreed flags below carry every rank's)
+        own = torch.maximum(follower.bad[k][:n], wrong)
         agreement.max_(wrong)
     dst.masked_fill_(wrong.bool(), SCRATCH_STATE)
     bad = follower.bad[k][:n]
@@ -133,7 +138,7 @@ def commit_guard(follower, pending, entry: tuple, dst: torch.Tensor, agreement=N
         else:
             follower.events[k].record()
     if agreement is not None and folded:
-        follower.open[id(pending)] = (pending, k, n, AGREED)
+        follower.open[id(pending)] = (pending, k, n, AGREED, own)
     return wrong
 
 

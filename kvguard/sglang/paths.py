@@ -264,7 +264,7 @@ PATHS: tuple[Path, ...] = (
          "update_mamba_state_after_mtp_verify) scatters only into each request's recorded slot, any other destination "
          "pointed at the dummy slot and its request flagged; aborted alone (kvguard/sglang/mamba_spec.py)",
          "tests/test_faultlab/test_sglang_live/test_sglang_mamba_spec.py (NemotronH with an MTP layer, NEXTN 3/1/4); "
-         "tests/test_kvguard/test_sglang/test_sglang_mamba_spec_commit.py",
+         "tests/test_kvguard/test_sglang/test_sglang_mamba_spec_commit.py; test_sglang_mamba_spec_tp.py (2 ranks)",
          lambda f: f.hybrid_linear and _spec_checked(f) and not f.linear_replayssm),
     Path("hybrid_linear_spec_replayssm", REFUSED, "a hybrid linear-attention model with speculative decoding and "
          "enable_linear_replayssm[_spec]", "ReplaySSM's commit folds per-slot rings of its own (and KDA's fused-accept "

@@ -50,9 +50,8 @@ def hybrid_spec(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("mamba_spec"))
     spec = engine_spec(folder, overlap=False, mode="check", episodes=fault_episodes(FAULTS, SEED), algorithm="NEXTN",
                        workload=WORKLOAD, target="nemotron_h")
-    spec.update(log_level="error", radix=False)
-    spec["engine"]["mamba_radix_cache_strategy"] = "no_buffer"
-    spec["env"].update({ENV_CPU_MAMBA: "1", ENV_CPU_MAMBA_SPEC: "1"})
+    spec.update(log_level="error")
+    assert spec["env"][ENV_CPU_MAMBA] == spec["env"][ENV_CPU_MAMBA_SPEC] == "1" and not spec["radix"]  # (engine_spec)
     t0 = time.time()
     rc, result, stderr = spawn(spec, folder, "mamba_spec", ENGINE_TIMEOUT)
     run = engine_run("nemotron_h_spec", "NemotronH with NEXTN", rc, result, stderr)

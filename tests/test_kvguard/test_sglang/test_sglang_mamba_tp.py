@@ -42,9 +42,9 @@ def _join(rank: int, port: int) -> None:
     runtime._ONE_RANK = False
 
 
-def _hybrid_rig(model_path: str):
+def _hybrid_rig(model_path: str, **pool_args):
     """A fresh rig on hybrid pools for the tiny model at ``model_path``, kvguard installed: (rig, guard); ``rig.pool``
-    is the row pool."""
+    is the row pool (``pool_args``: more of HybridReqToTokenPool's arguments, e.g. its speculative buffers)."""
     from prometheus_client import CollectorRegistry
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.configs.model_config import ModelConfig
@@ -63,8 +63,9 @@ def _hybrid_rig(model_path: str):
     cfg = mambaish_config(ModelConfig.from_server_args(args))
     layers = list(getattr(cfg, "mamba_layer_ids", None) or cfg.linear_layer_ids)
     rig.pool = rig.req_to_token_pool = HybridReqToTokenPool(
-        size=16, mamba_size=8, mamba_spec_state_size=0, max_context_len=512, device="cpu", enable_memory_saver=False,
-        cache_params=cfg.mamba2_cache_params, mamba_layer_ids=layers, enable_mamba_extra_buffer=False)
+        size=16, mamba_size=8, max_context_len=512, device="cpu", enable_memory_saver=False,
+        cache_params=cfg.mamba2_cache_params, mamba_layer_ids=layers, enable_mamba_extra_buffer=False,
+        **{"mamba_spec_state_size": 0, **pool_args})
     rig.tree = UnifiedRadixCache(CacheInitParams(disable=True, req_to_token_pool=rig.pool,
                                                  token_to_kv_pool_allocator=rig.allocator, page_size=PS,
                                                  tree_components=(ComponentType.FULL, ComponentType.MAMBA)))
