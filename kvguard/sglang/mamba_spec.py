@@ -53,7 +53,7 @@ from .mamba import SCRATCH_STATE
 log = logging.getLogger("kvguard.sglang")
 
 _SRT = "sglang.srt"
-REFUSED_REPLAY = "hybrid_linear_spec_replayssm"  # kvguard.sglang.paths: a state pool whose commit is not followed
+REFUSED_REPLAY = "hybrid_linear_spec_own_state"  # kvguard.sglang.paths: a state pool whose commit is not followed
 AGREED = "agreed"  # a StateFollower.open entry's fourth field: its flags (check's and commit's) agreed by every rank
 # (its fifth: this rank's own flags, int32 [n] on the device)
 

@@ -47,6 +47,10 @@ _MAMBA = "tests/test_faultlab/test_sglang_live/test_sglang_mamba.py"
 SPEC_CHECKED = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
+def _standalone(f: "Facts") -> bool:
+    return (f.speculative_algorithm or "").upper() == "STANDALONE"
+
+
 def _spec_checked(f: "Facts") -> bool:
     return f.speculative_algorithm is not None and f.speculative_algorithm.upper() in SPEC_CHECKED \
         and f.spec_topk <= 1 and not f.spec_multi_layer
@@ -153,12 +157,11 @@ PATHS: tuple[Path, ...] = (
     Path("hierarchical_cache", CHECKED, "enable_hierarchical_cache=True with host memory only (no "
          "hicache_storage_backend, hicache_host_memory_mode=cache; any write policy), on an aggregated server (with "
          "speculative decoding: hierarchical_cache_spec), for a model of MHA full-attention layers",
-         "a load-back's new device pages expect LOADING in the tree until their host-to-device copy is submitted "
-         "(HiCacheController.start_loading), then the tree adopts them with the tags of the allocation that made them "
-         "(HybridCacheController.load), so a request matching the loaded-back prefix expects exactly those pages; a "
-         "batch prepared before the submission (no layer event orders its read after the copy) is flagged; the "
-         "tree's evictions free device pages through the allocator's release kvguard wraps (tags bumped), so a "
-         "request still mapping one is flagged at its next check (kvguard.sglang.hicache)",
+         "a load-back's new device pages expect LOADING until their host-to-device copy is submitted "
+         "(HiCacheController.start_loading), then the tree adopts them with their allocation's tags "
+         "(HybridCacheController.load); a batch prepared before the submission is flagged; evictions free device "
+         "pages through the release kvguard wraps (tags bumped): a request still mapping one is flagged "
+         "(kvguard.sglang.hicache)",
          "tests/test_kvguard/test_sglang/test_sglang_hicache.py (SGLang's UnifiedRadixCache, HybridCacheController "
          "and MHATokenToKVPoolHost, admission through its scheduler)", lambda f: f.hierarchical_cache),
     Path("hierarchical_cache_storage", REFUSED, "enable_hierarchical_cache=True with hicache_storage_backend set "
@@ -236,13 +239,11 @@ PATHS: tuple[Path, ...] = (
          "pools with mamba2 and GDN state)", lambda f: f.hybrid_linear),
     Path("hybrid_linear_radix_no_buffer", CHECKED, "a hybrid linear-attention / mamba model with the radix cache on "
          "and mamba_radix_cache_strategy=no_buffer named on the launch line (page_size 1, overlap scheduler off)",
-         "the tree keeps state slots (UnifiedRadixCache's mamba component: a finished request's own slot, or a copy of "
-         "a running request's state in a fresh slot); the generation each carried when the tree took it is recorded "
-         "(MambaComponent.cleanup_after_caching_req), read where a request matches the node "
-         "(finalize_match_result_in_cache), and each staged copy's source is checked against it on the device "
-         "(ScheduleBatch._collect_deferred_mamba_cow_and_clear, in prepare_for_extend, before the forward's copy): a "
-         "source handed on since is pointed at the dummy slot and its request flagged in the state check beside the "
-         "extend's KV check, alone (kvguard/sglang/mamba_radix.py)",
+         "the generation of each state slot the tree takes (a finished request's own, or a copy in a fresh slot) is "
+         "recorded (MambaComponent.cleanup_after_caching_req), read where a request matches the node, and each staged "
+         "copy's source is checked against it on the device before the forward's copy "
+         "(ScheduleBatch._collect_deferred_mamba_cow_and_clear): a source handed on since is pointed at the dummy slot "
+         "and its request flagged in the state check beside the extend's KV check (kvguard/sglang/mamba_radix.py)",
          "tests/test_kvguard/test_sglang/test_sglang_mamba_radix.py (SGLang's UnifiedRadixCache, Rust tree core, "
          "mamba2 and GDN state); tests/test_faultlab/test_sglang_live/test_sglang_mamba_radix_engine.py (a NemotronH "
          "engine, radix cache on)", lambda f: f.hybrid_linear and f.radix and f.mamba_strategy == "no_buffer"),
@@ -257,19 +258,19 @@ PATHS: tuple[Path, ...] = (
          "HybridReqToTokenPool (PD decode's, the unified memory pool's virtual slot ids)",
          "state slots handed out or translated outside HybridReqToTokenPool.alloc are not recorded", "",
          lambda f: f.hybrid_linear and f.disaggregation_mode != "null"),
-    Path("hybrid_linear_speculative", CHECKED, "a hybrid linear-attention model with a checked speculative "
-         "algorithm, chain drafting, no ReplaySSM", "each spec step's recurrent-state check rides beside its KV check, "
-         "before the step's first forward (a state index not the request's own slot at its own generation is pointed "
-         "at the dummy slot before the verify reads it); the commit (HybridLinearAttnBackend."
-         "update_mamba_state_after_mtp_verify) scatters only into each request's recorded slot, any other destination "
-         "pointed at the dummy slot and its request flagged; aborted alone (kvguard/sglang/mamba_spec.py)",
+    Path("hybrid_linear_speculative", CHECKED, "a hybrid linear-attention model with EAGLE, EAGLE3 or NEXTN (MTP) "
+         "chain drafting, no ReplaySSM", "each spec step's recurrent-state check rides beside its KV check, "
+         "before the step's first forward (a bad state index pointed at the dummy slot before the verify reads it); "
+         "the commit (HybridLinearAttnBackend.update_mamba_state_after_mtp_verify) scatters only into each request's "
+         "recorded slot, any other destination pointed at the dummy slot and flagged (kvguard/sglang/mamba_spec.py)",
          "tests/test_faultlab/test_sglang_live/test_sglang_mamba_spec.py (NemotronH with an MTP layer, NEXTN 3/1/4); "
          "tests/test_kvguard/test_sglang/test_sglang_mamba_spec_commit.py; test_sglang_mamba_spec_tp.py (2 ranks)",
-         lambda f: f.hybrid_linear and _spec_checked(f) and not f.linear_replayssm),
-    Path("hybrid_linear_spec_replayssm", REFUSED, "a hybrid linear-attention model with speculative decoding and "
-         "enable_linear_replayssm[_spec]", "ReplaySSM's commit folds per-slot rings of its own (and KDA's fused-accept "
-         "pool) instead of scattering into the recorded slots: not followed", "",
-         lambda f: f.hybrid_linear and f.speculative_algorithm is not None and f.linear_replayssm),
+         lambda f: f.hybrid_linear and _spec_checked(f) and not f.linear_replayssm and not _standalone(f)),
+    Path("hybrid_linear_spec_own_state", REFUSED, "a hybrid linear-attention model with speculative decoding and "
+         "enable_linear_replayssm[_spec], or a STANDALONE draft", "ReplaySSM's commit folds per-slot rings of its own "
+         "(and KDA's fused-accept pool) instead of scattering into the recorded slots; a STANDALONE draft of a hybrid "
+         "model keeps recurrent state of its own: neither is followed", "",
+         lambda f: f.hybrid_linear and f.speculative_algorithm is not None and (f.linear_replayssm or _standalone(f))),
     Path("hybrid_linear_tensor_parallel", CHECKED, "a hybrid linear-attention model with tp_size > 1",
          "each rank checks its own recurrent-state table and slots; the state check is launched right before the KV "
          "check's verdict is agreed and its per-request flags are MAXed into that verdict ahead of the ranks' one "
@@ -281,13 +282,11 @@ PATHS: tuple[Path, ...] = (
          "tests/test_kvguard/test_sglang/test_sglang_mamba_tp.py", lambda f: f.hybrid_linear and f.tp_size > 1),
     Path("dp_attention", CHECKED, "attn_dp_size > 1 with tp_size == attn_dp_size (one attention-TP rank per DP "
          "rank: --tp N --dp N --enable-dp-attention, or --tp N --attn-dp-size N)",
-         "each attention-DP rank (a scheduler process) checks its own requests on its own pools, as one server does; "
-         "its verdict is its own (SGLang's MLP sync re-counts every rank's batch before each forward, so an abort "
-         "changes no other rank's batch); its idle batches (ForwardMode.IDLE) carry no request and pass unchecked; "
-         "an eager decode check is launched on the rank's own rows before SGLang pads its batch to the DP group's "
-         "largest (kvguard/sglang/dp_attention.py). Shown with eager forwards on the CPU (a dense model); a decode "
-         "graph replay carries the captured check as on one server (its runner pads into its own buffers), not run "
-         "under DP attention",
+         "each attention-DP rank checks its own requests on its own pools, its verdict its own (SGLang's MLP sync "
+         "re-counts every rank's batch before each forward); idle batches (ForwardMode.IDLE) carry no request; an "
+         "eager decode check runs on the rank's own rows before SGLang pads its batch to the group's largest "
+         "(kvguard/sglang/dp_attention.py). Shown with eager forwards on the CPU (a dense model); a decode graph "
+         "replay carries the captured check as on one server, not run under DP attention",
          "tests/test_faultlab/test_sglang_live/test_sglang_dp_attention.py",
          lambda f: f.dp_attention and f.tp_size <= f.attn_dp_size),
     Path("dp_attention_attn_tp", CHECKED, "attn_dp_size > 1 with tp_size > attn_dp_size (attention TP inside each "

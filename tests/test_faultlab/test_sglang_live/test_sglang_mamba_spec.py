@@ -83,7 +83,10 @@ def test_registry_checks_hybrid_spec_chain_and_refuses_the_rest():
     assert BY_NAME["hybrid_linear_speculative"].status == CHECKED and refusal(chain) is None
     replay = Facts(hybrid_linear=True, speculative_algorithm="NEXTN", radix=False, overlap=False,
                    linear_replayssm=True)
-    assert "hybrid_linear_spec_replayssm" in (refusal(replay) or "")
+    assert "hybrid_linear_spec_own_state" in (refusal(replay) or "")
+    standalone = Facts(hybrid_linear=True, speculative_algorithm="STANDALONE", radix=False, overlap=False)
+    assert "hybrid_linear_spec_own_state" in (refusal(standalone) or "")  # the draft's own state: not followed
+    assert refusal(Facts(hybrid_linear=True, speculative_algorithm="EAGLE", radix=False, overlap=False)) is None
     tree = Facts(hybrid_linear=True, speculative_algorithm="EAGLE", spec_topk=4, radix=False, overlap=False)
     assert "speculative_tree_drafting" in (refusal(tree) or "")
     other = Facts(hybrid_linear=True, speculative_algorithm="NGRAM", radix=False, overlap=False)

@@ -49,7 +49,7 @@ REFUSED_FACTS = {
     "hybrid_linear_radix_cache": (Facts(hybrid_linear=True, mamba_strategy="extra_buffer"), None),
     "hybrid_linear_state_pool": (Facts(hybrid_linear=True, radix=False, disaggregation_mode="decode",
                                        transfer_backend="fake", decode_retraction_backup="none"), None),
-    "hybrid_linear_spec_replayssm": (Facts(hybrid_linear=True, radix=False, speculative_algorithm="EAGLE",
+    "hybrid_linear_spec_own_state": (Facts(hybrid_linear=True, radix=False, speculative_algorithm="EAGLE",
                                             linear_replayssm=True), None),
     "pipeline_parallel": (Facts(pp_size=2), {"pp_size": 2}),
     "encoder_decoder": (Facts(encoder_decoder=True), None),
