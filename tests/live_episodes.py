@@ -2,6 +2,7 @@
 import json
 import random
 import socket
+import time
 
 import pytest
 
@@ -60,6 +61,26 @@ def assert_balanced(run: dict, ep: dict) -> None:
     idle = ep["idle_check"]
     assert idle is not None, f"{run['name']} {ep['label']}: no idle accounting check was logged afterwards"
     assert idle["balanced"], f"{run['name']} {ep['label']}: SGLang's pool accounting afterwards: {idle}"
+
+
+def assert_exact_fault(run: dict, fault: str, reason: str | None = None) -> set:
+    """A fault episode against the run's fault-free one ("clean"): exactly the injector's victims aborted (each error
+    naming ``reason``, when given), every other request's tokens unchanged, the pools balanced. The victims."""
+    clean, ep = episode(run, "clean"), episode(run, label_of(fault))
+    victims = assert_victims_aborted(ep, fault)
+    assert_others_unchanged(clean, ep, victims, f"{fault}: ")
+    if reason is not None:
+        assert all(reason in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]
+    assert_balanced(run, ep)
+    return victims
+
+
+def print_run(run: dict, what: str, t0: float, steps: str = "decode") -> None:
+    """An engine run's summary (``pytest -s``): its start, its time, each episode's steps, victims and errors."""
+    print(f"{what}: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
+    for label, ep in run["episodes"].items():
+        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
+        print(f"  {label}: {ep['steps']} {steps} steps, victims {ep['victims']}, errors {errors}")
 
 
 def assert_clean(run: dict, label: str) -> dict:

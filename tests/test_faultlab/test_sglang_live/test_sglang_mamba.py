@@ -29,9 +29,8 @@ import os
 import time
 
 import pytest
-from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import (assert_others_unchanged, assert_victims_aborted, by_index, engine_run, episode,
-                           fault_episodes, label_of)
+from live_episodes import (assert_clean as _clean, assert_exact_fault, by_index, engine_run, episode, fault_episodes,
+                           label_of, print_run)
 
 from faultlab.sglang_live.families import NEMOTRON_H
 
@@ -57,11 +56,7 @@ def _run(tmp_path_factory, name: str, spec: dict, episodes: list) -> dict:
     rc, result, stderr = spawn({**spec, "episodes": episodes}, str(tmp_path_factory.mktemp(name)), name,
                                ENGINE_TIMEOUT)
     run = engine_run(name, "NemotronH", rc, result, stderr)
-    eps = run["episodes"]
-    print(f"{name}: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
-    for label, ep in eps.items():
-        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-        print(f"  {label}: {ep['steps']} decode steps, victims {ep['victims']}, errors {errors}")
+    print_run(run, name, t0)
     return run
 
 
@@ -82,12 +77,7 @@ def test_the_hybrid_engine_serves_a_clean_episode_checked(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_state_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
-    victims = assert_victims_aborted(ep, fault)
-    assert_others_unchanged(clean, ep, victims, f"{fault}: ")
-    if fault.startswith("mamba"):
-        assert all("recurrent-state slot" in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]
-    _balanced(hybrid, ep)
+    assert_exact_fault(hybrid, fault, "recurrent-state slot" if fault.startswith("mamba") else None)
 
 
 def test_clean_episodes_no_false_aborts(hybrid):

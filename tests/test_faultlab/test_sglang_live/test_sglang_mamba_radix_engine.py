@@ -25,8 +25,7 @@ import re
 import time
 
 import pytest
-from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode, fault_episodes, label_of
+from live_episodes import assert_clean as _clean, assert_exact_fault, engine_run, fault_episodes, print_run
 
 from faultlab.sglang_live.families import NEMOTRON_H
 
@@ -55,10 +54,7 @@ def hybrid(tmp_path_factory):
     rc, result, stderr = spawn({**SPEC, "episodes": episodes}, str(tmp_path_factory.mktemp("radix")), "radix",
                                ENGINE_TIMEOUT)
     run = engine_run("nemotron_h_radix", "NemotronH, radix cache", rc, result, stderr)
-    print(f"startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
-    for label, ep in run["episodes"].items():
-        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-        print(f"  {label}: {ep['steps']} decode steps, victims {ep['victims']}, errors {errors}")
+    print_run(run, "nemotron_h_radix", t0)
     return run
 
 
@@ -71,7 +67,4 @@ def test_the_radix_engine_copies_tree_states_and_serves_a_clean_episode(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_state_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
-    victims = assert_victims_aborted(ep, fault)
-    assert_others_unchanged(clean, ep, victims, f"{fault}: ")
-    _balanced(hybrid, ep)
+    assert_exact_fault(hybrid, fault)

@@ -28,8 +28,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from live_episodes import (assert_balanced, assert_clean, assert_others_unchanged, assert_victims_aborted, engine_run,
-                           episode, fault_episodes, label_of)
+from live_episodes import assert_clean, assert_exact_fault, engine_run, fault_episodes, print_run
 
 from faultlab.sglang_live.cpu_mamba import ENV_VAR as ENV_CPU_MAMBA
 from faultlab.sglang_live.cpu_mamba_spec import ENV_VAR as ENV_CPU_MAMBA_SPEC
@@ -55,10 +54,7 @@ def hybrid_spec(tmp_path_factory):
     t0 = time.time()
     rc, result, stderr = spawn(spec, folder, "mamba_spec", ENGINE_TIMEOUT)
     run = engine_run("nemotron_h_spec", "NemotronH with NEXTN", rc, result, stderr)
-    print(f"nemotron_h spec: startup {run['startup_s']:.0f} s, {time.time() - t0:.0f} s in all")
-    for label, ep in run["episodes"].items():
-        errors = {r["rid"]: r["error"] for r in ep["requests"] if r["error"]}
-        print(f"  {label}: {ep['steps']} spec steps, victims {ep['victims']}, errors {errors}")
+    print_run(run, "nemotron_h spec", t0, "spec")
     return run
 
 
@@ -71,11 +67,7 @@ def test_clean_spec_steps_on_a_hybrid_have_no_false_abort(hybrid_spec):
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_spec_state_fault_exactly_victims_aborted(hybrid_spec, fault):
-    clean, ep = episode(hybrid_spec, "clean"), episode(hybrid_spec, label_of(fault))
-    victims = assert_victims_aborted(ep, fault)
-    assert_others_unchanged(clean, ep, victims, f"{fault}: ")
-    assert all("recurrent-state slot" in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]
-    assert_balanced(hybrid_spec, ep)
+    assert_exact_fault(hybrid_spec, fault, "recurrent-state slot")
 
 
 def test_registry_checks_hybrid_spec_chain_and_refuses_the_rest():

@@ -33,8 +33,7 @@ import os
 import time
 
 import pytest
-from live_episodes import assert_balanced as _balanced, assert_clean as _clean
-from live_episodes import assert_others_unchanged, assert_victims_aborted, engine_run, episode, fault_episodes, label_of
+from live_episodes import assert_clean as _clean, assert_exact_fault, engine_run, fault_episodes
 
 from faultlab.sglang_live.families import GPT_OSS
 from faultlab.sglang_live.plan import SWA_FAULTS
@@ -80,11 +79,7 @@ def test_swa_pools_followed(hybrid):
 
 @pytest.mark.parametrize("fault", CLASSES)
 def test_swa_fault_exactly_victims_aborted(hybrid, fault):
-    clean, ep = episode(hybrid, "clean"), episode(hybrid, label_of(fault))
-    victims = assert_victims_aborted(ep, fault)
-    assert_others_unchanged(clean, ep, victims, f"{fault}: ")
-    assert all("swa_mapping" in r["error"] for r in ep["requests"] if r["error"]), ep["requests"]
-    _balanced(hybrid, ep)
+    assert_exact_fault(hybrid, fault, "swa_mapping")
 
 
 def test_clean_episodes_no_false_aborts(hybrid):
