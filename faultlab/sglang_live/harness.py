@@ -241,9 +241,9 @@ def run(spec: dict, out_path: str) -> int:
         kwargs["sleep_on_idle"] = True
     kwargs.update({**(PD_ENGINE if pd else {}), **spec.get("engine", {})})
     if device == "cpu":
-        from .forkserver import children_from_forkserver
+        from .children import children_forked
 
-        children_from_forkserver()
+        children_forked()
     engine = sglang.Engine(**kwargs)
     result.update(started=True, startup_s=time.time() - t)
     save()
