@@ -1,5 +1,6 @@
-"""CPU test engines: SGLang's scheduler and detokenizer forked from the harness process, which imported SGLang already
-(tests only; used by :func:`faultlab.sglang_live.harness.run`)."""
+"""CPU test engines: SGLang's scheduler and detokenizer forked from the process that runs the engine, which imported
+SGLang already (tests only; used by :func:`faultlab.sglang_live.harness.run` and :mod:`faultlab.sglang_live.pd_pair`;
+a server an operator launches keeps SGLang's own start method)."""
 from __future__ import annotations
 
 

@@ -14,7 +14,7 @@ SPEC keys: ``model`` (a folder :func:`.harness.write_model` wrote), ``bootstrap_
 port of this engine), ``env`` (extra environment: ``KVGUARD_MODE``, a fault plan, ...), ``engine`` (extra
 ``sglang.Engine`` keyword arguments). Every engine: the tiny dummy Llama, page size 1, the overlap scheduler off
 (SGLang's prefill path under overlap records CUDA events), ``MOONCAKE_PROTOCOL=tcp``, faultlab's CPU shims
-(:mod:`.cpu_rotary`, :mod:`.cpu_pd`).
+(:mod:`.cpu_rotary`, :mod:`.cpu_pd`), its scheduler and detokenizer forked (:mod:`.children`).
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def _engine(role: str, spec: dict):
     if role == "decode":
         kwargs["disaggregation_decode_retraction_backup"] = "none"
     kwargs.update(spec.get("engine", {}))
+    from .children import children_forked
+
+    children_forked()
     return sglang.Engine(**kwargs)
 
 
