@@ -192,7 +192,7 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
         max_entries, total = _lengths(batch, ahead)
         ring = self._ring or self._make_ring()
         slot, stamp = ring.next()
-        bound = self._bound(batch, self.batch_rows(batch), ring, out)
+        bound = self.bound(batch, self.batch_rows(batch), ring, batch.req_pool_indices, batch.seq_lens.dtype, out.dtype)
         with self.tracker.lock:
             pending.cells = bound(slot, table_rows, n_entries, out, max_entries, stamp)
             if self.swa is not None:  # the SWA window, into the same verdict
@@ -275,17 +275,18 @@ class SGLangGuard(VerdictSide, AbortSide, PoolFollower):
         self.tracker.count_check()
         return pending
 
-    def _bound(self, batch, rows_, ring, out):
-        """The check bound to this batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``), cached
-        on the batch while its composition and the ring's buffers stay the same."""
-        cached = batch.__dict__.get("_kvguard_bound")
+    def bound(self, holder, rows_, ring, table_rows, n_dtype, slot_dtype, tail: bool = False) -> BoundCheck:
+        """The check bound to a batch composition's rows (``kvguard.kernels.tag_check.BoundCheck``; ``tail``: a spec
+        step's row-tail write guard), built right before its launch (a binding holds the ring buffers' pointers) and
+        cached on ``holder`` while the composition and the ring's buffers stay the same."""
+        cached = holder.__dict__.get("_kvguard_bound")
         if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
             return cached[2]
-        ring.reserve(len(batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
+        ring.reserve(table_rows.numel(), self.req_to_token_pool.req_to_token.shape[1])
         ring.bindings += 1
-        bound = BoundCheck(ring.launch, batch.req_pool_indices, rows_.owner_dev, ring.buffers(), ring.flag_cells,
-                           scratch_slot=SCRATCH_SLOT, n_dtype=batch.seq_lens.dtype, slot_dtype=out.dtype)
-        batch._kvguard_bound = (rows_, ring.generation, bound)
+        bound = BoundCheck(ring.launch, table_rows, rows_.owner_dev, ring.buffers(), ring.flag_cells,
+                           scratch_slot=SCRATCH_SLOT, n_dtype=n_dtype, slot_dtype=slot_dtype, tail=tail)
+        holder._kvguard_bound = (rows_, ring.generation, bound)
         return bound
 
     def _make_ring(self) -> "VerdictRing":

@@ -173,6 +173,14 @@ class StateFollower:
         k = self.turn
         self.check(rows[:n], slots, gens, self.bad[k])
         self.tree.fold(pending.reqs, self.bad[k][:n])  # a copy out of the radix tree whose source failed
+        self.publish(k, n)
+        if len(self.open) >= RING:  # a check whose batch never reached its result (dropped): forgotten
+            self.open.pop(next(iter(self.open)))
+        self.open[id(pending)] = (pending, k, n, folded)
+
+    def publish(self, k: int, n: int) -> None:
+        """Ring slot ``k``'s flags (its first ``n``) copied to the host behind an event the verdict waits on (CUDA;
+        on a CPU the flags are the host's already)."""
         if self.events is not None:
             self.host[k][:n].copy_(self.bad[k][:n], non_blocking=True)
             ring = self.guard._ring
@@ -180,9 +188,6 @@ class StateFollower:
                 ring.record_event(self.events[k])  # (the raw-stream record: no current_stream() lookup)
             else:
                 self.events[k].record()
-        if len(self.open) >= RING:  # a check whose batch never reached its result (dropped): forgotten
-            self.open.pop(next(iter(self.open)))
-        self.open[id(pending)] = (pending, k, n, folded)
 
     def fold(self, pending, rows: torch.Tensor) -> torch.Tensor:
         """Attention TP (the guard's ``fold``, right before ``pending``'s KV verdict is agreed): its state check

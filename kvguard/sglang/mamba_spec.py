@@ -130,13 +130,7 @@ def commit_guard(follower, pending, entry: tuple, dst: torch.Tensor, agreement=N
     dst.masked_fill_(wrong.bool(), SCRATCH_STATE)
     bad = follower.bad[k][:n]
     torch.maximum(bad, wrong, out=bad)
-    if follower.events is not None:  # the host copy the verdict read syncs on, again behind this commit
-        follower.host[k][:n].copy_(bad, non_blocking=True)
-        ring = follower.guard._ring
-        if ring is not None:
-            ring.record_event(follower.events[k])
-        else:
-            follower.events[k].record()
+    follower.publish(k, n)  # the host copy the verdict reads, again behind this commit
     if agreement is not None and folded:
         follower.open[id(pending)] = (pending, k, n, AGREED, own)
     return wrong

@@ -1,20 +1,16 @@
 """Every SGLang 0.5.23 serving path kvguard knows, each ``checked`` or ``refused``: written once.
 
-A path writes, reads and releases KV through its own code, so a property shown on one path is not shown
-on another. kvguard serves a configuration only when every path it turns on is ``checked``; a path that
-is ``refused`` stops the server at start, with the reason, before SGLang launches a scheduler
-(:func:`refusal`: the launcher, exit 2; the ``ServerArgs.check_server_args`` hook for ``sglang.Engine``
-and ``launch_server``), and again at install in each scheduler, on the model it loaded (the last line of
-defence, with the uncovered-allocator check). A path a request turns on (``per_request``: beam search) is
-refused for each such request, before any of its KV is written. There is no third state: nothing is served
-with a warning.
+A path writes, reads and releases KV through its own code, so a property shown on one path is not shown on another.
+kvguard serves a configuration only when every path it turns on is ``checked``; a path that is ``refused`` stops the
+server at start, with the reason, before SGLang launches a scheduler (:func:`refusal`: the launcher, exit 2; the
+``ServerArgs.check_server_args`` hook for ``sglang.Engine`` and ``launch_server``), and again at install in each
+scheduler, on the model it loaded (the last line of defence, with the uncovered-allocator check). A path a request
+turns on (``per_request``: beam search) is refused for each such request, before any of its KV is written. There is no
+third state: nothing is served with a warning.
 
-The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and
-the coverage table in docs/sglang.md (:func:`coverage_table`, ``python -m kvguard.sglang.paths``; a test
-checks the docs against it).
-
-Stdlib only at import. What each path is decided on (:class:`Facts`, read from SGLang's ``ServerArgs`` and the
-model) is :mod:`kvguard.sglang.facts`.
+The same list makes the ``kvguard_path_active{path,status}`` gauge (set in each scheduler at install) and the coverage
+table in docs/sglang.md (:func:`coverage_table`, ``python -m kvguard.sglang.paths``, kept equal by a test). Stdlib
+only at import; what each path is decided on (:class:`Facts`, from ``ServerArgs`` and the model): :mod:`.facts`.
 """
 from __future__ import annotations
 

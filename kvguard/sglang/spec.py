@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.tag_check import BoundCheck, WriteGuard
+from ..kernels.tag_check import WriteGuard
 from ..tracker import copy_to_device
 from . import mamba_spec
 from .guard import PADDING_ROW, SCRATCH_SLOT, Pending
@@ -262,7 +262,8 @@ def fire(pending: Pending, seq_lens: torch.Tensor) -> None:
     # The step's writes (draft, verify, draft extend) land at the slots of entries [seq_lens, nxt) of each row:
     # SGLang's own base for them. The launch rewrites a flagged request's entries there to the padding slot
     # (WriteGuard.row_tail: no tensor built per step).
-    bound = _bound(guard, step.rows_, ring, rows, step.n_entries, seq_lens)
+    # (cached on the guard: one spec composition at a time)
+    bound = guard.bound(guard, step.rows_, ring, rows, step.n_entries.dtype, seq_lens.dtype, tail=True)
     with guard.tracker.lock:
         pending.cells = bound(slot, rows, step.n_entries, seq_lens, step.max_entries, stamp)
         if guard.swa is not None:  # a sliding-window hybrid: the window the step's SWA layers read, into the same
@@ -281,20 +282,6 @@ def fire(pending: Pending, seq_lens: torch.Tensor) -> None:
     ring.copy_flag(slot)
     pending.slot, pending.stamp = slot, stamp
     pending.ready = ring.record(slot) if ring.use_events else None
-
-
-def _bound(guard, rows_, ring, table_rows, n_entries, seq_lens) -> BoundCheck:
-    """The check bound to a composition's rows, with the row-tail write guard (built when the composition or the
-    ring's buffers change, right before its launch: a binding holds the buffers' pointers)."""
-    cached = guard.__dict__.get("_kvguard_spec_bound")
-    if cached is not None and cached[0] is rows_ and cached[1] is ring.generation:
-        return cached[2]
-    ring.reserve(table_rows.numel(), guard.req_to_token_pool.req_to_token.shape[1])
-    ring.bindings += 1
-    bound = BoundCheck(ring.launch, table_rows, rows_.owner_dev, ring.buffers(), ring.flag_cells,
-                       scratch_slot=SCRATCH_SLOT, n_dtype=n_entries.dtype, slot_dtype=seq_lens.dtype, tail=True)
-    guard._kvguard_spec_bound = (rows_, ring.generation, bound)
-    return bound
 
 
 def around_spec_forward(original, worker, batch, *args, **kwargs):
