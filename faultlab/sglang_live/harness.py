@@ -365,8 +365,8 @@ def watchdog(result: dict, save, engine) -> None:
 def spawn(spec: dict, folder: str, name: str, timeout: float) -> tuple[int, dict | None, str]:
     """Run one engine in a process of its own (``python -m faultlab.sglang_live.harness``), in ``folder``.
 
-    The child gets this process's environment without any ``KVGUARD_*`` / ``FAULTLAB_SGLANG_*`` (the spec's
-    ``env`` sets them). Returns (return code, the result written so far or None, the last 6,000 characters
+    The child gets this process's environment without any ``KVGUARD_*`` / ``FAULTLAB_SGLANG_*``, and the spec's
+    ``env`` on top (its own settings of them). Returns (return code, the result written so far or None, the last 6,000 characters
     of its stderr).
     """
     import subprocess
@@ -375,6 +375,11 @@ def spawn(spec: dict, folder: str, name: str, timeout: float) -> tuple[int, dict
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "FAULTLAB_SGLANG_"))}
+    # NOTE: the spec's environment from the child's start, not only from run(): what a module reads at import (Triton
+    # reads TRITON_INTERPRET when it is first imported) must already hold there, and the scheduler processes SGLang
+    # forks inherit the child's modules as imported (a CLI sweep's NEXTN engine died at its first prefill: Triton
+    # imported before TRITON_INTERPRET was set, an interpreted kernel calling a compiled tl.zeros_like)
+    env.update({k: str(v) for k, v in spec.get("env", {}).items()})
     proc = subprocess.run([sys.executable, "-m", "faultlab.sglang_live.harness", spec_path, out_path],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
     result = None

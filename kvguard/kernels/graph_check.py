@@ -20,6 +20,10 @@ entries found by program ``k``), ``flag[s] = epoch + 1`` when anything is bad (d
 ``done[s] = 2 * (epoch + 1) + bad`` always, by the bump (pinned host memory: the host verifies it read this epoch's
 result, not another one), and the write slot of a flagged request redirected to ``scratch_slot``.
 
+``sides``: more checks captured in the same graph, between the check and the bump (each called with the graph's row
+buffer and the captured batch size; each sets ``flag`` for the epoch on anything bad, so the one result word
+covers them too): the recurrent-state check of a hybrid model (:class:`kvguard.kernels.state_check.GraphStateCheck`).
+
 Per entry, the check is :func:`kvguard.kernels.tag_check.entries_bad` (per token, no quarantine): its
 reference is :func:`graph_check_ref`.
 """
@@ -106,6 +110,7 @@ class GraphCheck:
         self.owner_of: object = None  # the owner rows now in ``owner`` (set_owner)
         self._owner_n = 0
         self.cap = min(table.shape[1], expected.shape[1] * page_div)
+        self.sides: list = []  # more captured checks, run after this one and before the bump (their flags too)
         self.slot_limit = tags.numel() * page_div
 
     def launch(self, table_rows, n_entries, slots, batch: int) -> None:
@@ -118,6 +123,8 @@ class GraphCheck:
             t, table_rows, self.owner, n_entries, self.tags, e, slots, self.verdicts, self.flag, self.epoch,
             t.stride(0), e.stride(0), t.shape[0], e.shape[0], self.cap, self.slot_limit, self.scratch_slot,
             self.batch_cap, PAGE_DIV=self.page_div, RING=RING, PROGRAMS=PROGRAMS, BLOCK=BLOCK)
+        for side in self.sides:
+            side(table_rows, batch)
         _epoch_bump_kernel[(1,)](self.epoch, self.flag, self.done, RING=RING)
 
     def set_owner(self, rows: torch.Tensor) -> None:

@@ -10,6 +10,13 @@ the dummy slot for that request, never another request's state. No host synchron
 
 ``state_check_ref`` is the torch reference (ground truth for the tests; what runs on a CPU without Triton's
 interpreter).
+
+:class:`GraphStateCheck` is the same check as a node of SGLang's decode CUDA graphs, captured beside the decode
+KV check (:class:`kvguard.kernels.graph_check.GraphCheck`, one of its ``sides``): it reads the batch's rows from the
+graph's static input buffer, which entries are live from the KV check's ``owner`` buffer, each entry's expected
+(slot, generation) from buffers of its own written only when the batch's composition changes, and the epoch from
+the KV check's counter; a mismatch sets the epoch's flag before the epoch's result word is written, so one word
+still carries the whole verdict. ``graph_state_check_ref`` is its reference.
 """
 from __future__ import annotations
 
@@ -68,6 +75,87 @@ class StateCheck:
                     (self.table, rows, expected_slot, expected_gen, self.gens, bad, n, self.gens.numel(),
                      self.scratch), {"BLOCK": BLOCK})
         return bad[:n]
+
+
+@triton.jit
+def _graph_state_kernel(table_ptr, rows_ptr, owner_ptr, expected_slot_ptr, expected_gen_ptr, gens_ptr, bad_ptr,
+                        flag_ptr, epoch_ptr, n_rows, n_slots, scratch_slot, batch, batch_cap,
+                        RING: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    epoch = tl.load(epoch_ptr)
+    ring = epoch % RING
+    in_batch = offs < batch
+    owner = tl.load(owner_ptr + offs, mask=in_batch, other=-1)
+    live = in_batch & (owner >= 0)  # a padding entry of the captured batch size (owner -1): nothing to check
+    row = tl.load(rows_ptr + offs, mask=live, other=0).to(tl.int64)
+    row_ok = (row >= 0) & (row < n_rows)
+    slot = tl.load(table_ptr + row, mask=live & row_ok, other=-1).to(tl.int64)
+    want = tl.load(expected_slot_ptr + offs, mask=live, other=-1)
+    in_pool = (want >= 0) & (want < n_slots)
+    gen = tl.load(gens_ptr + tl.where(in_pool, want, 0), mask=live & in_pool, other=-1)
+    want_gen = tl.load(expected_gen_ptr + offs, mask=live, other=-2)
+    bad = live & ((row_ok == 0) | (slot != want) | (gen != want_gen) | (in_pool == 0))
+    tl.store(table_ptr + row, tl.zeros_like(slot) + scratch_slot, mask=bad & row_ok)
+    tl.store(bad_ptr + ring * batch_cap + offs, bad.to(tl.int32), mask=in_batch)
+    tl.store(flag_ptr + ring, epoch + 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+
+
+class GraphStateCheck:
+    """The state check captured beside ``graph``'s KV check (appended to ``graph.sides``: every decode graph captured
+    with the check runs it, before the epoch's result word). ``expect`` fills its expectation buffers (on the stream,
+    before the replay), ``flags`` reads an epoch's per-entry flags (device)."""
+
+    def __init__(self, table: torch.Tensor, gens: torch.Tensor, graph, scratch_slot: int = 0):
+        from .graph_check import RING
+
+        dev = table.device
+        self.table, self.gens, self.graph, self.scratch = table, gens, graph, int(scratch_slot)
+        cap = graph.batch_cap
+        self.expected_slot = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+        self.expected_gen = torch.full((cap,), -2, dtype=torch.int64, device=dev)
+        self.bad = torch.zeros((RING, cap), dtype=torch.int32, device=dev)
+        self.ring = RING
+        self.expected_of: tuple | None = None  # the (slots, gens) tensors now in the buffers (expect)
+        graph.sides.append(self)
+
+    def __call__(self, table_rows: torch.Tensor, batch: int) -> None:
+        """Enqueue the check of the first ``batch`` entries (captured: the graph's static row buffer)."""
+        g = self.graph
+        _graph_state_kernel[(triton.cdiv(batch, BLOCK),)](
+            self.table, table_rows, g.owner, self.expected_slot, self.expected_gen, self.gens, self.bad, g.flag,
+            g.epoch, self.table.shape[0], self.gens.numel(), self.scratch, batch, g.batch_cap, RING=self.ring,
+            BLOCK=BLOCK)
+
+    def expect(self, slots: torch.Tensor, gens: torch.Tensor) -> None:
+        """Entry ``i`` expects slot ``slots[i]`` at generation ``gens[i]`` from now on (device copies on the stream,
+        made only when these are not the tensors already in the buffers)."""
+        held = self.expected_of
+        if held is not None and held[0] is slots and held[1] is gens:
+            return
+        n = slots.numel()
+        self.expected_slot[:n].copy_(slots, non_blocking=True)
+        self.expected_gen[:n].copy_(gens, non_blocking=True)
+        self.expected_of = (slots, gens)
+
+    def flags(self, epoch: int, n: int) -> torch.Tensor:
+        """The per-entry flags (int32 ``[n]``, device) of the check of ``epoch``."""
+        return self.bad[epoch % self.ring, :n]
+
+
+def graph_state_check_ref(table, rows, owner, expected_slot, expected_gen, gens, scratch_slot: int = 0):
+    """The torch reference of one captured state check over ``rows.numel()`` entries (same effect on ``table``):
+    int32 flags; entries whose ``owner`` is negative are padding (0, untouched)."""
+    live = owner >= 0
+    rows = rows.long()
+    row_ok = (rows >= 0) & (rows < table.numel())
+    slot = torch.where(live & row_ok, table[rows.clamp(0, table.numel() - 1)].long(), torch.full_like(rows, -1))
+    want = expected_slot.long()
+    in_pool = (want >= 0) & (want < gens.numel())
+    gen = torch.where(in_pool, gens[want.clamp(0, gens.numel() - 1)], torch.full_like(want, -1))
+    bad = live & (~row_ok | (slot != want) | (gen != expected_gen.long()) | ~in_pool)
+    hit = rows[bad & row_ok]
+    table[hit] = scratch_slot
+    return bad.to(torch.int32)
 
 
 def state_check_ref(table, rows, expected_slot, expected_gen, gens, scratch_slot: int = 0) -> torch.Tensor:

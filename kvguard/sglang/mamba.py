@@ -26,13 +26,18 @@ the hybrid backend when the forward starts). Its full-attention layers' pages ar
   verdict (``VerdictRing.agree``): no collective of its own, no host sync. A flagged request is aborted on every
   rank; the rank that saw it says why, the others that a peer flagged it; each releases it safely (above).
 
-NOTE (cost): one extra launch per forward (a few hundred bytes read), one async copy of B int32 to pinned memory
-and one event (attention TP: two small launches more, folding it into the agreed verdict); the per-composition
-expectation tensors are built once (a stack of B device scalars) when the batch's requests change. Measured on an
-H100 (``python bench/state_check_gpu.py``, bench/results/state_check_h100.json): 22 us of host time per direct
-launch at any batch size 1..512 (a torch ``add_`` there: 11). A decode step captured into a CUDA graph loses the
-captured check's no-wait fast path (its verdict is read after this check's event): its effect on a served model's
-ITL is not measured yet.
+- **Decode graphs.** Where the decode KV check is captured into SGLang's decode CUDA graphs, this check is captured
+  beside it (:class:`kvguard.kernels.state_check.GraphStateCheck`, made before the capture): a replay reads the
+  expectations from buffers written when the batch's composition changes, and its flags set the same epoch result
+  word the KV check's do, so a clean step is read before any wait with no per-step host work of this module.
+
+NOTE (cost): eager (extends, eager decodes, spec steps): one extra launch per forward (a few hundred bytes read), one
+async copy of B int32 to pinned memory and one event (attention TP: two small launches more, folding it into the
+agreed verdict); the per-composition expectation tensors are built once (a stack of B device scalars) when the
+batch's requests change. Measured on an H100 (``python bench/state_check_gpu.py``,
+bench/results/state_check_h100.json): 22 us of host time per direct launch at any batch size 1..512 (a torch
+``add_`` there: 11). Eager beside a captured decode check it took ~100-120 us of host time per decode step on a
+served GDN model (``hook:execute``, bench/results/sglang_gpu_dec06f/call1_mamba): hence the captured check.
 
 With the radix cache on (``no_buffer``), the tree's own state slots and each copy out of them are followed by
 :mod:`kvguard.sglang.mamba_radix` (``follower.tree``; its flags are folded into this check's); a speculative step's
@@ -47,7 +52,7 @@ import logging
 
 import torch
 
-from ..kernels.state_check import StateCheck
+from ..kernels.state_check import GraphStateCheck, StateCheck
 from .mamba_radix import TreeStates
 
 log = logging.getLogger("kvguard.sglang")
@@ -119,6 +124,7 @@ class StateFollower:
         self.open: dict[int, tuple] = {}
         self.kept = 0  # slots an aborted request did not free (handed to another request since)
         self.tree = TreeStates(self, SCRATCH_STATE)  # the radix tree's state slots (kvguard.sglang.mamba_radix)
+        self.side: GraphStateCheck | None = None  # the check captured beside the decode graphs' KV check, if any
         self._wrap_guard(guard)
         allocator._kvguard_mamba = pool._kvguard_mamba = self
         guard.mamba, guard.fold = self, self.fold
@@ -200,15 +206,19 @@ class StateFollower:
         """(req, message, False) for each request of ``pending`` whose state slot is not its own; [] when none."""
         entry = self.open.pop(id(pending), None)
         if entry is None or entry[0] is not pending:
-            return []
-        k, n = entry[1], entry[2]
-        if self.events is not None:
-            self.events[k].synchronize()  # recorded right after the check: long done when the forward's ids are in
-        bad = self.host_np[k][:n]
+            if self.side is None or pending.epoch is None or self.guard.graph.clean(pending.epoch):
+                return []
+            # a replay's captured check (rare path: its epoch's word says something was bad; the forward is done)
+            bad = self.side.flags(pending.epoch, len(pending.reqs)).cpu().numpy()
+        else:
+            k, n = entry[1], entry[2]
+            if self.events is not None:
+                self.events[k].synchronize()  # recorded right after the check: long done when the ids are in
+            bad = self.host_np[k][:n]
         if not bad.any():
             return []
         # (a spec commit agreed under attention TP, kvguard.sglang.mamba_spec: this rank's own flags, the rest a peer's)
-        own = entry[4].tolist() if len(entry) > 4 else None
+        own = entry[4].tolist() if entry is not None and len(entry) > 4 else None
         return [(req, self.message(req, i, pending) if own is None or own[i] else self._peer(req), False)
                 for i, req in enumerate(pending.reqs)
                 if bad[i] and not req.finished() and not req.__dict__.get("kvguard_aborted")]
@@ -238,6 +248,13 @@ class StateFollower:
     def _wrap_guard(self, guard) -> None:
         """The state check launched wherever the guard launches its KV check, its verdict read with the guard's."""
         launch, fire, graph_step, resolve = guard.launch, guard.fire, guard.graph_step, guard.resolve
+        enable_graph = guard.enable_graph
+
+        def _enable_graph(batch_cap):
+            graph = enable_graph(batch_cap)
+            if graph is not None and self.side is None:  # before the capture: every graph captured carries both
+                self.side = GraphStateCheck(self.table, self.gens, graph, SCRATCH_STATE)
+            return graph
 
         def _launch(batch, *args, **kwargs):
             pending = launch(batch, *args, **kwargs)
@@ -251,9 +268,16 @@ class StateFollower:
 
         def _graph_step(runner, forward_batch):
             pending = graph_step(runner, forward_batch)
-            if pending is not None:
+            if pending is None:
+                return None  # (no check armed: the replay's captured checks check nothing, owner cleared)
+            if self.side is None:  # (not reached: a graph captured with the KV check carries this one)
                 self.launch(pending, forward_batch.req_pool_indices)
                 pending.clean = None  # the verdict is read through resolve, which reads this check's too
+                return pending
+            self.side.expect(*self.expected(pending.reqs))  # (only when the composition or the records changed)
+            if self.tree.unread:  # a copy out of the radix tree not checked yet: this step's check carries its flag
+                self.launch(pending, forward_batch.req_pool_indices)
+                pending.clean = None
             return pending
 
         def _resolve(pending, group=None, *args, **kwargs):
@@ -276,6 +300,7 @@ class StateFollower:
             return flagged + [item for item in mine if id(item[0]) not in have]
 
         guard.launch, guard.fire, guard.graph_step, guard.resolve = _launch, _fire, _graph_step, _resolve
+        guard.enable_graph = _enable_graph
 
     @staticmethod
     def _own_cause(flagged: list, mine: list) -> list:

@@ -60,3 +60,52 @@ def test_state_check_empty_batch():
     empty = torch.zeros(0, dtype=torch.int64)
     assert StateCheck(table, gens)(empty, empty, empty, torch.zeros(4, dtype=torch.int32)).numel() == 0
     assert table.tolist() == [0, 3, 4]
+
+
+
+@pytest.mark.parametrize("seed,batch,pad", [(0, 1, 0), (1, 1, 0), (0, 5, 3), (1, 5, 3), (2, 5, 3), (2, 130, 2)])
+def test_captured_state_check_beside_the_kv_check(seed, batch, pad):
+    """GraphStateCheck as a side of GraphCheck (one launch enqueues the KV check, the state check, then the epoch's
+    bump, on the graph's one row buffer): its flags match the reference, padding entries (owner -1) are never
+    checked, the epoch's one result word carries its verdict, and every ring slot is reused clean first."""
+    from kvguard.kernels.graph_check import RING, GraphCheck
+    from kvguard.kernels.state_check import GraphStateCheck, graph_state_check_ref
+
+    rng, table, rows, exp_slot, exp_gen, gens = make(seed, batch, table_dtype=torch.int32)
+    size = batch + pad
+    # a KV check with nothing to read (length 0 everywhere): only the state side can flag
+    kv = GraphCheck(torch.zeros(table.numel(), 8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64),
+                    torch.zeros(1, 2, dtype=torch.int64), page_div=4, batch_cap=size)
+    side = GraphStateCheck(table, gens, kv, 0)
+    assert kv.sides == [side]
+    graph_rows = torch.cat([rows, torch.zeros(pad, dtype=torch.int64)])  # padding entries read row 0
+    lengths = torch.zeros(size, dtype=torch.int64)
+    owner = torch.zeros(batch, dtype=torch.int64)
+    kv.set_owner(owner)
+    side.expect(exp_slot.clone(), exp_gen.clone())
+    for _ in range(RING + 1 if batch < 100 else 1):  # clean: every ring slot written and read clean (interpreter time)
+        epoch = kv.next()
+        kv.launch(graph_rows, lengths, torch.zeros(size, dtype=torch.int64), size)
+        assert kv.clean(epoch) and side.flags(epoch, size).tolist() == [0] * size
+    bad_at = set(rng.sample(range(batch), min(batch, 1 + batch // 4))) if seed else set()
+    for b in sorted(bad_at):
+        kind = KINDS[b % len(KINDS)]
+        if kind == "foreign":
+            table[rows[b]] = int(exp_slot[(b + 1) % batch]) if batch > 1 else int(exp_slot[b]) + 1
+        elif kind == "reissued":
+            gens[exp_slot[b]] += 1
+        else:
+            exp_slot[b] = gens.numel() + b if b % 2 else -1 - b
+    side.expect(exp_slot, exp_gen)  # (new tensors: copied into the buffers)
+    table[0] = 99  # row 0 (the padding entries' row) holds a slot no one expects: padding is never checked
+    ref_table = table.clone()
+    epoch = kv.next()
+    kv.launch(graph_rows, lengths, torch.zeros(size, dtype=torch.int64), size)
+    live = torch.cat([owner, torch.full((pad,), -1, dtype=torch.int64)])
+    want = graph_state_check_ref(ref_table, graph_rows, live, side.expected_slot[:size],
+                                 side.expected_gen[:size], gens, 0)
+    got = side.flags(epoch, size)
+    assert got.tolist() == want.tolist() == [int(b in bad_at) for b in range(batch)] + [0] * pad
+    assert torch.equal(table, ref_table) and int(table[0]) == 99  # the same entries pointed at the scratch slot
+    assert all(int(table[rows[b]]) == 0 for b in bad_at)
+    assert kv.flagged(epoch) is bool(bad_at) and kv.clean(epoch) is not bool(bad_at)
