@@ -77,7 +77,7 @@ class StateCheck:
         return bad[:n]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_slots", "scratch_slot", "batch", "batch_cap"])
 def _graph_state_kernel(table_ptr, rows_ptr, owner_ptr, expected_slot_ptr, expected_gen_ptr, gens_ptr, bad_ptr,
                         flag_ptr, epoch_ptr, n_rows, n_slots, scratch_slot, batch, batch_cap,
                         RING: tl.constexpr, BLOCK: tl.constexpr):
@@ -116,6 +116,10 @@ class GraphStateCheck:
         self.bad = torch.zeros((RING, cap), dtype=torch.int32, device=dev)
         self.ring = RING
         self.expected_of: tuple | None = None  # the (slots, gens) tensors now in the buffers (expect)
+        # compiled now, before any capture (a capture must not compile): both row dtypes, every entry padding (the
+        # owner buffer is all -1 before the first batch), so nothing is checked, flagged or advanced
+        for dtype in (torch.int64, torch.int32):
+            self(torch.zeros(1, dtype=dtype, device=dev), 1)
         graph.sides.append(self)
 
     def __call__(self, table_rows: torch.Tensor, batch: int) -> None:
