@@ -228,11 +228,12 @@ PATHS: tuple[Path, ...] = (
          "Qwen3.5, ...: HybridReqToTokenPool)",
          "each request's recurrent-state slot carries a generation bumped when the slot allocator hands it out; the "
          "(slot, generation) a request was given is recorded where its row is (HybridReqToTokenPool.alloc) and, beside "
-         "every KV check, one launch checks that the state index the forward reads is its own slot at its own "
-         "generation (a bad one is pointed at the dummy slot before the forward); an aborted request never frees a "
-         "slot handed on since (kvguard/sglang/mamba.py). Full-attention pages as for any model",
-         f"{_MAMBA} (a NemotronH engine); tests/test_kvguard/test_sglang/test_sglang_mamba_state.py (SGLang's "
-         "pools with mamba2 and GDN state)", lambda f: f.hybrid_linear),
+         "every KV check, one launch (captured beside it in the decode CUDA graphs) checks that the state index the "
+         "forward reads is its own slot at its own generation (a bad one is pointed at the dummy slot before the "
+         "forward); an aborted request never frees a slot handed on since (kvguard/sglang/mamba.py). Full-attention "
+         "pages as for any model", f"{_MAMBA} (a NemotronH engine); tests/test_kvguard/test_sglang/"
+         "test_sglang_mamba_state.py (SGLang's pools, mamba2 and GDN state); test_sglang_mamba_graph.py (decode graphs)",
+         lambda f: f.hybrid_linear),
     Path("hybrid_linear_radix_no_buffer", CHECKED, "a hybrid linear-attention / mamba model with the radix cache on "
          "and mamba_radix_cache_strategy=no_buffer named on the launch line (page_size 1, overlap scheduler off)",
          "the generation of each state slot the tree takes (a finished request's own, or a copy in a fresh slot) is "
