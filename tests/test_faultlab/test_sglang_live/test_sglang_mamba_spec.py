@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
 SEED = 1
 ENGINE_TIMEOUT = 1140
 FAULTS = ["spec_mamba_index_swap", "spec_mamba_slot_reuse"]
-WORKLOAD = {"n1": 3, "n2": 2, "prefix": 12, "new1": 16, "new2": 8}
+WORKLOAD = {"n1": 3, "n2": 2, "prefix": 12, "new1": 10, "new2": 6}
 
 
 @pytest.fixture(scope="module")
