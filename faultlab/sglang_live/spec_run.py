@@ -16,6 +16,7 @@ DeepSeek-V3 with one MTP layer (multi-head latent attention), its own draft. ``-
 draft (the tiny Llama's width and vocabulary) in front of a tiny DeepSeek-V2 (MLA) target instead of the tiny Llama;
 with NEXTN, ``--target glm``: a tiny GLM-4.5 (grouped-query attention) with an MTP layer instead of the DeepSeek-V3;
 ``--target nemotron_h``: a tiny NemotronH (mamba2 beside attention, a hybrid state pool) with an MTP layer.
+``--swa``: a tiny GPT-OSS (sliding-window layers beside full ones) as the target, page 16.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import json
 import os
 import sys
 
-from .families import GLM4_MOE_MTP, NEMOTRON_H_MTP
+from .families import GLM4_MOE_MTP, GPT_OSS, NEMOTRON_H_MTP
 from .harness import TINY_DEEPSEEK_MTP, TINY_MLA, spawn, write_model
 from .plan import ENV_CPU_SPEC
 
@@ -115,15 +116,26 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", default="check")
     parser.add_argument("--algorithm", default="EAGLE", choices=sorted(DRAFTS))
     parser.add_argument("--target", default="llama", choices=TARGET_NAMES)
+    parser.add_argument("--swa", action="store_true",
+                        help="the target: a tiny GPT-OSS (sliding-window layers beside full ones), page 16, SGLang's "
+                             "CUDA branch of SWA frees (with --algorithm STANDALONE it drafts with itself; EAGLE: the "
+                             "one-layer Llama draft)")
     parser.add_argument("--faults", default="", help="comma-separated spec faults, one episode each, after the clean ones")
     parser.add_argument("--timeout", type=float, default=3 * 3600)
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     episodes = [{"label": f"sweep{i}", "fault": None} for i in range(args.episodes)]
     episodes += [{"label": f.replace("_", ""), "fault": f, "seed": 1} for f in args.faults.split(",") if f]
+    if args.swa and (args.target != "llama" or args.algorithm not in ("STANDALONE", "EAGLE")):
+        parser.error("--swa: with --algorithm STANDALONE or EAGLE, and no --target")
     spec = engine_spec(args.out_dir, overlap=not args.no_overlap, mode=args.mode, episodes=episodes,
                        algorithm=args.algorithm, workload=SWEEP_WORKLOAD if not args.faults else None,
-                       target=args.target)
+                       target=args.target, model=GPT_OSS if args.swa else None)
+    if args.swa:  # (as tests/test_faultlab/test_sglang_live/test_sglang_swa_spec.py runs it)
+        from .cpu_swa import ENV_VAR as ENV_SWA_CUDA_FREE
+
+        spec["page_size"] = 16
+        spec["env"][ENV_SWA_CUDA_FREE] = "1"
     rc, result, stderr = spawn(spec, args.out_dir, "sweep", args.timeout)
     out = {"rc": rc, **(summary(result) if result else {"error": stderr[-2000:]})}
     print(json.dumps(out))
