@@ -27,11 +27,8 @@ def make(seed: int, batch: int, table_dtype):
     return rng, table, torch.tensor(rows, dtype=torch.int64), exp_slot, exp_gen, gens
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("batch", [1, 3, 130])
-@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_state_check_matches_ref_and_oracle(seed, batch, table_dtype):
-    rng, table, rows, exp_slot, exp_gen, gens = make(seed, batch, table_dtype)
+def corrupt(rng, seed: int, batch: int, table, rows, exp_slot, gens) -> set:
+    """Corrupt a random quarter of the entries (none for seed 0), each of one kind (in place): the entries."""
     bad_at = set(rng.sample(range(batch), min(batch, 1 + batch // 4))) if seed else set()
     for b in sorted(bad_at):
         kind = KINDS[b % len(KINDS)]
@@ -41,6 +38,15 @@ def test_state_check_matches_ref_and_oracle(seed, batch, table_dtype):
             gens[exp_slot[b]] += 1
         else:
             exp_slot[b] = gens.numel() + b if b % 2 else -1 - b
+    return bad_at
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("batch", [1, 3, 130])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_state_check_matches_ref_and_oracle(seed, batch, table_dtype):
+    rng, table, rows, exp_slot, exp_gen, gens = make(seed, batch, table_dtype)
+    bad_at = corrupt(rng, seed, batch, table, rows, exp_slot, gens)
     before = table.clone()
     ref_table = table.clone()
     want = state_check_ref(ref_table, rows, exp_slot, exp_gen, gens, 0)
@@ -87,15 +93,7 @@ def test_captured_state_check_beside_the_kv_check(seed, batch, pad):
         epoch = kv.next()
         kv.launch(graph_rows, lengths, torch.zeros(size, dtype=torch.int64), size)
         assert kv.clean(epoch) and side.flags(epoch, size).tolist() == [0] * size
-    bad_at = set(rng.sample(range(batch), min(batch, 1 + batch // 4))) if seed else set()
-    for b in sorted(bad_at):
-        kind = KINDS[b % len(KINDS)]
-        if kind == "foreign":
-            table[rows[b]] = int(exp_slot[(b + 1) % batch]) if batch > 1 else int(exp_slot[b]) + 1
-        elif kind == "reissued":
-            gens[exp_slot[b]] += 1
-        else:
-            exp_slot[b] = gens.numel() + b if b % 2 else -1 - b
+    bad_at = corrupt(rng, seed, batch, table, rows, exp_slot, gens)
     side.expect(exp_slot, exp_gen)  # (new tensors: copied into the buffers)
     table[0] = 99  # row 0 (the padding entries' row) holds a slot no one expects: padding is never checked
     ref_table = table.clone()
