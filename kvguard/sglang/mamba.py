@@ -270,14 +270,11 @@ class StateFollower:
             pending = graph_step(runner, forward_batch)
             if pending is None:
                 return None  # (no check armed: the replay's captured checks check nothing, owner cleared)
-            if self.side is None:  # (not reached: a graph captured with the KV check carries this one)
+            if self.side is not None:  # (always, where the graphs carry the KV check: made before their capture)
+                self.side.expect(*self.expected(pending.reqs))  # (only when the composition or the records changed)
+            if self.side is None or self.tree.unread:  # (a radix-tree copy not checked yet: its flag rides on this)
                 self.launch(pending, forward_batch.req_pool_indices)
                 pending.clean = None  # the verdict is read through resolve, which reads this check's too
-                return pending
-            self.side.expect(*self.expected(pending.reqs))  # (only when the composition or the records changed)
-            if self.tree.unread:  # a copy out of the radix tree not checked yet: this step's check carries its flag
-                self.launch(pending, forward_batch.req_pool_indices)
-                pending.clean = None
             return pending
 
         def _resolve(pending, group=None, *args, **kwargs):
