@@ -375,10 +375,8 @@ def spawn(spec: dict, folder: str, name: str, timeout: float) -> tuple[int, dict
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "FAULTLAB_SGLANG_"))}
-    # NOTE: the spec's environment from the child's start, not only from run(): what a module reads at import (Triton
-    # reads TRITON_INTERPRET when it is first imported) must already hold there, and the scheduler processes SGLang
-    # forks inherit the child's modules as imported (a CLI sweep's NEXTN engine died at its first prefill: Triton
-    # imported before TRITON_INTERPRET was set, an interpreted kernel calling a compiled tl.zeros_like)
+    # NOTE: the spec's env from the child's start: Triton reads TRITON_INTERPRET at import, and SGLang's forked
+    # schedulers inherit the child's modules (a CLI sweep died at its first prefill before this)
     env.update({k: str(v) for k, v in spec.get("env", {}).items()})
     proc = subprocess.run([sys.executable, "-m", "faultlab.sglang_live.harness", spec_path, out_path],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
