@@ -97,6 +97,8 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
         self._check = tag_check.tag_check if self.use_triton else tag_check.tag_check_ref
         self._recorder = record.DecodeRecorder(self.expected, self.expected_pages, self.tags.tags,
                                                page_size=page_size, reference=not self.use_triton)
+        self._reserve_recorder = record.ReserveRecorder(self.expected, self.expected_pages, self.tags.tags,
+                                                        page_size=page_size, reference=not self.use_triton)
 
     def _pick_triton(self, device: torch.device) -> bool:
         backend = self.config.backend
@@ -196,14 +198,30 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
         """
         self._require_attached()
         with self.lock:
-            base = 0
-            if alloc is not None:
-                n_alloc = alloc.numel() if n_alloc is None else n_alloc
-                base = self.tags.reserve(n_alloc)
-                if self.history is not None:
-                    dev = self.expected.device
-                    self.history.note(alloc[:n_alloc], torch.arange(base, base + n_alloc, device=dev), incidents.ALLOC)
+            n_alloc, base = self._alloc_base(alloc, n_alloc)
             self._recorder(rows, positions, slots, fresh=fresh, skip=skip, alloc=alloc, n_alloc=n_alloc, base=base)
+
+    def record_reserve(self, rows: torch.Tensor, cur: torch.Tensor, nxt: torch.Tensor, slots: torch.Tensor, *,
+                       fresh: torch.Tensor | None = None, alloc: torch.Tensor | None = None,
+                       n_alloc: int | None = None) -> None:
+        """A spec step's reserve (one launch): request ``b`` got positions ``[cur[b], nxt[b])`` (device lengths), at
+        ``slots`` in batch order; each position that starts a page expects the allocation's next page, as
+        :meth:`record_decode` records one entry per position (``fresh`` / ``alloc`` as there). No sync."""
+        self._require_attached()
+        with self.lock:
+            n_alloc, base = self._alloc_base(alloc, n_alloc)
+            self._reserve_recorder(rows, cur, nxt, slots, fresh=fresh, alloc=alloc, n_alloc=n_alloc, base=base)
+
+    def _alloc_base(self, alloc, n_alloc) -> tuple:
+        """(n_alloc, the allocation's first tag) for a record that bumps ``alloc`` in its own launch (0: no alloc)."""
+        if alloc is None:
+            return n_alloc, 0
+        n_alloc = alloc.numel() if n_alloc is None else n_alloc
+        base = self.tags.reserve(n_alloc)
+        if self.history is not None:
+            self.history.note(alloc[:n_alloc], torch.arange(base, base + n_alloc, device=self.expected.device),
+                              incidents.ALLOC)
+        return n_alloc, base
 
     def drop(self, row: int) -> None:
         self._require_attached()
@@ -244,7 +262,7 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
 
         The check: every block size, row indices as int32 or int64, lengths as int64, without and with
         a write guard over ``slot_dtype`` slots (one per request, or segments), without and with the host
-        flag (a server's launch); the decode recorder (with and without its bump); the tag bump. Launches with nothing live;
+        flag (a server's launch); the decode and spec reserve recorders (with and without their bump); the tag bump. Launches with nothing live;
         counts no check and changes no state. ``launch``: the server's own :meth:`launcher` (its
         variants are then also its direct launches' first calls).
         """
@@ -278,6 +296,10 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
                     with self.lock:  # an alloc of page 0 (scratch) at its own tag: nothing changes
                         base = int(self.tags.tags[0]) if alloc is not None else 0
                         self._recorder(rows, pos, slots, fresh=fresh, skip=skip, alloc=alloc, base=base)
+                for span in (torch.int32, torch.int64):  # a spec reserve of nothing (cur = nxt)
+                    with self.lock:
+                        self._reserve_recorder(rows, pos.to(span), pos.to(span), slots, fresh=fresh, alloc=alloc,
+                                               base=base)
         if self.tags._bumper is not None:
             zero = torch.zeros(1, dtype=torch.int64, device=dev)
             for fresh in (None, torch.empty(1, dtype=torch.int64, device=dev)):

@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["write_back", "write_through", "write_through_selective"],
                    default="write_back")
     p.add_argument("--ratio", type=float, default=2.0, help="host pool size / device pool size")
+    p.add_argument("--overrides", default="{}", type=_json_object,
+                   help="JSON: sglang.Engine settings of both engines (e.g. an EAGLE draft: HiCache with spec)")
     p.add_argument("--name", default="hicache.json")
     p.set_defaults(func=cmd_hicache)
     p = sub.add_parser("pd", help="a PD decode server (a prefill + two decode servers, NIXL): check vs off vs off")

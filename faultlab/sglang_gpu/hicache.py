@@ -10,6 +10,8 @@ What it shows, per engine: no request aborted or failed, and every round-1 reque
 so the loaded-back KV is the KV written); across the engines: check's tokens equal off's. How many load-backs kvguard
 adopted: its ``HybridCacheController.load`` / ``HiCacheController.start_loading`` hooks' calls in the check engine's
 profiler file (``kvguard_host_timing.json``). A run in which no load-back happened tested nothing: it fails (exit 1).
+``--overrides`` (both engines' settings) with a draft model runs the same under speculative decoding (HiCache with
+EAGLE); kvguard's spec steps are counted the same way, and a run with none fails.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from faultlab.sglang_gpu.common import dump, engine_kwargs, log, model_dir, setu
 from faultlab.sglang_gpu.profiler import TIMING_ENV
 
 LOAD_HOOKS = ("hook:load", "hook:start_loading")  # kvguard.sglang.hicache's hooks, as the profiler names them
+SPEC_HOOK = "hook:alloc_for_spec_decode"  # kvguard.sglang.spec's: one call per verify step (--overrides with a draft)
 
 
 def cmd_hicache(a) -> None:
@@ -30,7 +33,8 @@ def cmd_hicache(a) -> None:
     vocab = vocab_of(model)
     timing = os.path.join(a.out, "kvguard_host_timing.json")
     kw = engine_kwargs(a, model=model, max_total_tokens=a.max_total_tokens, disable_radix_cache=False,
-                       enable_hierarchical_cache=True, hicache_write_policy=a.policy, hicache_ratio=a.ratio)
+                       enable_hierarchical_cache=True, hicache_write_policy=a.policy, hicache_ratio=a.ratio,
+                       **a.overrides)
     workers = start_engines([("off", {"KVGUARD_MODE": "off"}, kw),
                              ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing}, kw)], a.start_timeout)
     result = {"settings": {k: v for k, v in kw.items() if k != "model_path"}, "model": os.path.basename(model),
@@ -80,7 +84,7 @@ def _hook_calls(path: str) -> dict:
             per_fn = json.load(f).get("per_function_us_per_call", {})
     except (OSError, ValueError):
         return {}
-    return {name: per_fn.get(name, {}).get("calls", 0) for name in LOAD_HOOKS}
+    return {name: per_fn.get(name, {}).get("calls", 0) for name in LOAD_HOOKS + (SPEC_HOOK,)}
 
 
 def _verdict(result: dict) -> str:
@@ -96,4 +100,6 @@ def _verdict(result: dict) -> str:
         return "fail: check's tokens differ from off's"
     if not result["kvguard_hook_calls"].get("hook:start_loading"):
         return "fail: no load-back happened (nothing tested): raise --groups or lower --max-total-tokens"
+    if result["settings"].get("speculative_algorithm") and not result["kvguard_hook_calls"].get(SPEC_HOOK):
+        return "fail: speculative decoding asked for, but no spec step was checked (nothing tested)"
     return "pass"

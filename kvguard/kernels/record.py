@@ -199,6 +199,116 @@ class DecodeRecorder:
             self._compiled[key] = compiled
 
 
+# A spec step's reserve (SGLang's ``alloc_for_spec_decode``): request ``b`` got the tokens ``[cur[b], nxt[b])``, their slots
+# ``out[off_b:off_b + nxt[b] - cur[b]]`` (``off_b``: the tokens of the requests before it); each of its positions that
+# starts a page got the allocation's next page (batch order, then position order). The same expectations as
+# record_decode over one entry per reserved token, with the entries made here from the device lengths (no host
+# arrays, no copy per step).
+_PER_RESERVE = ["rows_ptr", "cur_ptr", "nxt_ptr", "slots_ptr", "fresh_ptr", "alloc_ptr", "batch", "n_fresh", "n_out",
+                "base"]
+
+
+@triton.jit(do_not_specialize=["n_rows", "width", "page_size", "exp_stride", "pages_stride"] + _PER_RESERVE,
+            do_not_specialize_on_alignment=_PER_RESERVE)
+def _record_reserve_kernel(
+    expected_ptr, expected_pages_ptr, rows_ptr, cur_ptr, nxt_ptr, slots_ptr, fresh_ptr, tags_ptr,
+    batch, n_fresh, n_out, n_rows, width, page_size, exp_stride, pages_stride, alloc_ptr, base,
+    HAS_FRESH: tl.constexpr, HAS_ALLOC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    if HAS_ALLOC:  # the allocation's bump, as in _record_decode_kernel
+        for start in range(0, n_fresh, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            page = tl.load(alloc_ptr + i, mask=i < n_fresh, other=0).to(tl.int64)
+            tl.atomic_max(tags_ptr + page, base + i, mask=i < n_fresh)
+    tokens = 0  # reserved tokens of earlier chunks of the batch
+    pages = 0  # pages handed out to earlier chunks
+    for start in range(0, batch, BLOCK):
+        b = start + tl.arange(0, BLOCK)
+        inside = b < batch
+        cur = tl.load(cur_ptr + b, mask=inside, other=0).to(tl.int64)
+        nxt = tl.load(nxt_ptr + b, mask=inside, other=0).to(tl.int64)
+        n_tok = tl.maximum(nxt - cur, 0)
+        first = (cur + page_size - 1) // page_size  # the request's first new logical page
+        n_new = tl.where(inside, tl.maximum((nxt + page_size - 1) // page_size - first, 0), 0)
+        off = tokens + tl.cumsum(n_tok, axis=0) - n_tok
+        k0 = pages + tl.cumsum(n_new, axis=0) - n_new
+        tokens += tl.sum(n_tok, axis=0)
+        pages += tl.sum(n_new, axis=0)
+        row = tl.load(rows_ptr + b, mask=inside, other=-1).to(tl.int64)
+        for j in range(0, tl.max(n_new, axis=0)):
+            col = first + j
+            idx = off + col * page_size - cur  # the slot of the page's first position in the allocation's output
+            live = (j < n_new) & (idx < n_out)
+            page = tl.load(slots_ptr + idx, mask=live, other=0).to(tl.int64) // page_size
+            k = k0 + j
+            if HAS_ALLOC:
+                tag = base + tl.minimum(k, n_fresh - 1)
+            elif HAS_FRESH:
+                tag = tl.load(fresh_ptr + tl.minimum(k, n_fresh - 1), mask=live, other=-1)
+            else:
+                tag = tl.load(tags_ptr + page, mask=live, other=-1)
+            ok = live & (row >= 0) & (row < n_rows) & (col < width)
+            tl.store(expected_ptr + row * exp_stride + col, tag, mask=ok)
+            tl.store(expected_pages_ptr + row * pages_stride + col, page.to(tl.int32), mask=ok)
+
+
+class ReserveRecorder:
+    """A spec step's reserve recorded in one launch (``_record_reserve_kernel``), bound to one expectation table and
+    tag array; :func:`record_reserve_ref` off Triton. Arguments as :meth:`DecodeRecorder.__call__`'s, with each
+    request's reserved span ``[cur, nxt)`` (device lengths) in place of one position."""
+
+    def __init__(self, expected, expected_pages, tags, *, page_size: int, reference: bool = False):
+        self.expected, self.expected_pages, self.tags, self.page_size = expected, expected_pages, tags, page_size
+        self.reference = reference
+        self.kernel = DirectLaunch(_record_reserve_kernel, expected.device)
+
+    def __call__(self, rows, cur, nxt, slots, *, fresh=None, alloc=None, n_alloc: int | None = None,
+                 base: int = 0) -> None:
+        if alloc is not None and fresh is not None:
+            raise ValueError("record_reserve: give fresh or alloc, not both")
+        dev = self.expected.device
+        for name, t in (("rows", rows), ("cur", cur), ("nxt", nxt), ("slots", slots)):
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != dev:
+                raise ValueError(f"record_reserve: {name} must be a 1-D int32/int64 tensor on {dev}, got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        if not rows.numel() == cur.numel() == nxt.numel():
+            raise ValueError(f"record_reserve: rows, cur and nxt must have one entry per request "
+                             f"({rows.numel()}, {cur.numel()}, {nxt.numel()})")
+        has_fresh = fresh is not None and fresh.numel() > 0
+        n_fresh = fresh.numel() if has_fresh else 0 if alloc is None else alloc.numel() if n_alloc is None else n_alloc
+        has_alloc = alloc is not None and n_fresh > 0
+        if self.reference:
+            if has_alloc:
+                fresh = bump_ref(self.tags, alloc[:n_fresh], base)
+            record_reserve_ref(self.expected, self.expected_pages, rows, cur, nxt, slots, self.tags,
+                               page_size=self.page_size, fresh=fresh)
+            return
+        e, p, t = self.expected, self.expected_pages, self.tags
+        key = (has_fresh, has_alloc, spec(rows), spec(cur), spec(nxt), spec(slots),
+               spec(fresh) if has_fresh else None, spec(alloc) if has_alloc else None, base < I32)
+        self.kernel((1,), key, (e, p, rows, cur, nxt, slots, fresh if has_fresh else t, t, rows.numel(), n_fresh,
+                                slots.numel(), e.shape[0], e.shape[1], self.page_size, e.stride(0), p.stride(0),
+                                alloc if has_alloc else t, base),
+                    dict(HAS_FRESH=has_fresh, HAS_ALLOC=has_alloc, BLOCK=BLOCK))
+
+
+def record_reserve_ref(expected, expected_pages, rows, cur, nxt, slots, tags, *, page_size: int,
+                       fresh: torch.Tensor | None = None) -> None:
+    """Torch reference of a reserve's record: :func:`record_decode_ref` over one entry per reserved token (request
+    ``b``'s positions ``cur[b]..nxt[b] - 1`` in order, their slots ``slots`` in batch order)."""
+    cur, nxt = cur.long().cpu(), nxt.long().cpu()
+    n_tok = (nxt - cur).clamp(min=0)
+    total = int(n_tok.sum())
+    if total == 0:
+        return
+    dev = expected.device
+    entry_rows = torch.repeat_interleave(rows.long().cpu(), n_tok)
+    pos = torch.arange(total) + torch.repeat_interleave(cur - (torch.cumsum(n_tok, 0) - n_tok), n_tok)
+    take = min(total, slots.numel())  # (entries past the allocation's output record nothing)
+    record_decode_ref(expected, expected_pages, entry_rows[:take].to(dev), pos[:take].to(dev), slots[:take], tags,
+                      page_size=page_size, fresh=fresh)
+
+
 def bump_ref(tags: torch.Tensor, pages: torch.Tensor, base: int) -> torch.Tensor:
     """Slot ``i`` of an allocation gets tag ``base + i``; each page keeps its largest (torch)."""
     fresh = torch.arange(base, base + pages.numel(), dtype=torch.int64, device=tags.device)

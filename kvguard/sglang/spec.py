@@ -55,7 +55,6 @@ import numpy as np
 import torch
 
 from ..kernels.tag_check import WriteGuard
-from ..tracker import copy_to_device
 from . import mamba_spec
 from .guard import PADDING_ROW, SCRATCH_SLOT, Pending
 from .paths import SPEC_CHECKED as CHECKED_ALGORITHMS  # noqa: F401  (the registry holds the list; re-exported)
@@ -121,7 +120,8 @@ def around_alloc_for_spec_decode(original, tree_cache, req_to_token_pool, *, req
     if num_needed_tokens > 0:
         with guard.deferred_bump():  # the reserve's pages are bumped by its record launch
             out = _allocated(guard, original, tree_cache, req_to_token_pool, call)
-            if any_stale or out is None or not record_reserve(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu):
+            if any_stale or out is None or not record_reserve(guard, batch, out, cur_kv_lens, nxt_kv_lens,
+                                                              cur_kv_lens_cpu, nxt_kv_lens_cpu):
                 guard.flush_alloc()  # (the general record below reads the new pages' tags)
                 record(guard, batch, out, cur_kv_lens_cpu, nxt_kv_lens_cpu, stale if any_stale else None)
     else:  # nothing to reserve this step (SGLang's call only updates lengths)
@@ -160,31 +160,27 @@ def _allocated(guard, original, tree_cache, req_to_token_pool, call) -> torch.Te
     return got[0]
 
 
-def record_reserve(guard, batch, out, cur_cpu, nxt_cpu) -> bool:
+def record_reserve(guard, batch, out, cur, nxt, cur_cpu, nxt_cpu) -> bool:
     """The common case of :func:`record` in one launch (False: not the common case, nothing done).
 
-    Every reserved token ``t`` of request ``i`` (positions ``cur_i..nxt_i - 1``, slots ``out`` in that order, what
+    Every reserved token of request ``i`` (positions ``cur_i..nxt_i - 1``, slots ``out`` in that order, what
     ``assign_req_to_token_pool`` writes) is one entry of SGLang's decode recorder: an entry whose position starts a
     page got the allocation's next page (batch order), which the same launch bumps (``kvguard.kernels.record``). The
-    entries' rows and positions are built on the host (numpy) and copied once, pinned (no device sync)."""
+    launch reads the step's device lengths ``cur``/``nxt`` (SGLang's own): the host lengths only decide whether the
+    allocation is what the rows took."""
     rows_, ps = guard.batch_rows(batch), guard.page_size
-    cur, nxt = cur_cpu.numpy().astype(np.int64), nxt_cpu.numpy().astype(np.int64)
-    n_tok = nxt - cur
-    total = int(n_tok.sum())
+    c, n = cur_cpu.numpy(), nxt_cpu.numpy()
     pending, fresh = guard._pending_alloc, guard._fresh
     handed_out = pending[1] if pending is not None else 0 if fresh is None else fresh.numel()
-    n_new = int(((nxt + ps - 1) // ps - (cur + ps - 1) // ps).sum())  # reserved positions that start a page
-    if not rows_.all_known or out.numel() != total or n_new != handed_out:
+    n_new = int(np.add.reduce((n + ps - 1) // ps - (c + ps - 1) // ps))  # reserved positions that start a page
+    if not rows_.all_known or out.numel() != int(np.add.reduce(n - c)) or n_new != handed_out \
+            or cur.device != out.device or nxt.device != out.device:
         return False  # (an allocation not what the rows took: the general record flags it, never guesses)
     if n_new == 0:
         return True  # the reserve stays inside each request's last page: nothing new to expect
-    entries = np.empty((2, total), dtype=np.int64)  # [rows; positions] of every reserved token
-    entries[0] = np.repeat(rows_.owner.numpy(), n_tok)
-    entries[1] = np.arange(total) + np.repeat(cur - (np.cumsum(n_tok) - n_tok), n_tok)
-    entries = copy_to_device(torch.from_numpy(entries), guard.device)
     guard._pending_alloc = None
     alloc, n_alloc = pending if pending is not None else (None, None)
-    guard.tracker.record_decode(entries[0], entries[1], out, fresh=None if alloc is not None else fresh,
+    guard.tracker.record_reserve(rows_.owner_dev, cur, nxt, out, fresh=None if alloc is not None else fresh,
                                  alloc=alloc, n_alloc=n_alloc)
     return True
 
