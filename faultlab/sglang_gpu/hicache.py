@@ -34,7 +34,7 @@ def cmd_hicache(a) -> None:
     timing = os.path.join(a.out, "kvguard_host_timing.json")
     kw = engine_kwargs(a, model=model, max_total_tokens=a.max_total_tokens, disable_radix_cache=False,
                        enable_hierarchical_cache=True, hicache_write_policy=a.policy, hicache_ratio=a.ratio,
-                       **a.overrides)
+                       **json.loads(a.overrides))
     workers = start_engines([("off", {"KVGUARD_MODE": "off"}, kw),
                              ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing}, kw)], a.start_timeout)
     result = {"settings": {k: v for k, v in kw.items() if k != "model_path"}, "model": os.path.basename(model),

@@ -232,8 +232,8 @@ def _record_reserve_kernel(
         n_new = tl.where(inside, tl.maximum((nxt + page_size - 1) // page_size - first, 0), 0)
         off = tokens + tl.cumsum(n_tok, axis=0) - n_tok
         k0 = pages + tl.cumsum(n_new, axis=0) - n_new
-        tokens += tl.sum(n_tok, axis=0)
-        pages += tl.sum(n_new, axis=0)
+        tokens += tl.sum(n_tok, axis=0).to(tl.int32)
+        pages += tl.sum(n_new, axis=0).to(tl.int32)
         row = tl.load(rows_ptr + b, mask=inside, other=-1).to(tl.int64)
         for j in range(0, tl.max(n_new, axis=0)):
             col = first + j
