@@ -32,11 +32,9 @@ def cmd_hicache(a) -> None:
     model = model_dir(a, "llama3.2-1b-shape")
     vocab = vocab_of(model)
     timing = os.path.join(a.out, "kvguard_host_timing.json")
-    kw = engine_kwargs(a, model=model, max_total_tokens=a.max_total_tokens, disable_radix_cache=False,
-                       enable_hierarchical_cache=True, hicache_write_policy=a.policy, hicache_ratio=a.ratio,
-                       **json.loads(a.overrides))
-    workers = start_engines([("off", {"KVGUARD_MODE": "off"}, kw),
-                             ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing}, kw)], a.start_timeout)
+    specs = _specs(a, model, timing)
+    kw = specs[0][2]
+    workers = start_engines(specs, a.start_timeout)
     result = {"settings": {k: v for k, v in kw.items() if k != "model_path"}, "model": os.path.basename(model),
               "groups": a.groups, "per_group": a.per_group, "input_len": a.input_len, "shared": a.shared,
               "output_len": a.output_len, "engines": {}}
@@ -56,6 +54,15 @@ def cmd_hicache(a) -> None:
     log(f"kvguard's HiCache hooks: {result['kvguard_hook_calls']}; verdict: {result['verdict']}")
     if result["verdict"] != "pass":
         raise SystemExit(1)
+
+
+def _specs(a, model: str, timing: str) -> list:
+    """The two engines (name, environment, settings): kvguard off and check, the same settings (``--overrides`` over
+    the HiCache ones), the check engine's profiler writing ``timing``."""
+    kw = engine_kwargs(a, model=model, max_total_tokens=a.max_total_tokens, disable_radix_cache=False,
+                       enable_hierarchical_cache=True, hicache_write_policy=a.policy, hicache_ratio=a.ratio)
+    kw.update(json.loads(a.overrides))
+    return [("off", {"KVGUARD_MODE": "off"}, kw), ("check", {"KVGUARD_MODE": "check", TIMING_ENV: timing}, kw)]
 
 
 def _rounds(a, worker, vocab: int) -> dict:

@@ -552,6 +552,28 @@ def test_pd_roles_share_one_workload_and_differ_only_where_they_must(tmp_path):
     assert [kw["mem_fraction_static"] for _, _, kw in one] == [0.26, 0.36]
 
 
+def test_hicache_engines_take_the_overrides_and_count_spec_steps(tmp_path):
+    """faultlab.sglang_gpu hicache: both engines get ``--overrides`` (HiCache with an EAGLE draft) as settings; a
+    spec run in which kvguard checked no verify step tested nothing and fails."""
+    from faultlab.sglang_gpu import hicache
+
+    a = cli.build_parser().parse_args(["hicache", "--out", str(tmp_path), "--overrides",
+                                       '{"speculative_algorithm": "EAGLE", "speculative_num_steps": 3}'])
+    specs = hicache._specs(a, "/m", str(tmp_path / "t.json"))
+    assert [(n, e["KVGUARD_MODE"]) for n, e, _ in specs] == [("off", "off"), ("check", "check")]
+    for _, _, kw in specs:
+        assert kw["speculative_algorithm"] == "EAGLE" and kw["speculative_num_steps"] == 3
+        assert kw["enable_hierarchical_cache"] and kw["hicache_write_policy"] == "write_back"
+    same = {"ids": [1, 2], "error": None, "finish": "length"}
+    result = {"settings": specs[0][2], "engines": {n: {"rounds": [[[same]], [[same]]]} for n in ("off", "check")},
+              "kvguard_hook_calls": {"hook:start_loading": 4, hicache.SPEC_HOOK: 0}}
+    assert hicache._verdict(result).startswith("fail: speculative decoding asked for")
+    result["kvguard_hook_calls"][hicache.SPEC_HOOK] = 12
+    assert hicache._verdict(result) == "pass"
+    result["kvguard_hook_calls"]["hook:start_loading"] = 0
+    assert hicache._verdict(result).startswith("fail: no load-back")
+
+
 def test_pd_tokens_equal_compares_the_first_runs_request_by_request():
     from faultlab.sglang_gpu.pd import _tokens_equal
 
