@@ -204,9 +204,8 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
     def record_reserve(self, rows: torch.Tensor, cur: torch.Tensor, nxt: torch.Tensor, slots: torch.Tensor, *,
                        fresh: torch.Tensor | None = None, alloc: torch.Tensor | None = None,
                        n_alloc: int | None = None) -> None:
-        """A spec step's reserve (one launch): request ``b`` got positions ``[cur[b], nxt[b])`` (device lengths), at
-        ``slots`` in batch order; each position that starts a page expects the allocation's next page, as
-        :meth:`record_decode` records one entry per position (``fresh`` / ``alloc`` as there). No sync."""
+        """A spec step's reserve in one launch: request ``b`` got positions ``[cur[b], nxt[b])`` (device lengths) at
+        ``slots`` (batch order), recorded as :meth:`record_decode` records one entry per position. No sync."""
         self._require_attached()
         with self.lock:
             n_alloc, base = self._alloc_base(alloc, n_alloc)
@@ -262,9 +261,9 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
 
         The check: every block size, row indices as int32 or int64, lengths as int64, without and with
         a write guard over ``slot_dtype`` slots (one per request, or segments), without and with the host
-        flag (a server's launch); the decode and spec reserve recorders (with and without their bump); the tag bump. Launches with nothing live;
-        counts no check and changes no state. ``launch``: the server's own :meth:`launcher` (its
-        variants are then also its direct launches' first calls).
+        flag (a server's launch); the decode and spec reserve recorders (with and without their bump); the tag
+        bump. Launches with nothing live; counts no check and changes no state. ``launch``: the server's own
+        :meth:`launcher` (its variants are then also its direct launches' first calls).
         """
         self._require_attached()
         if not self.use_triton:
@@ -296,10 +295,9 @@ class TagTracker(ViolationMethods, TransferTagMethods, NoopTracker):
                     with self.lock:  # an alloc of page 0 (scratch) at its own tag: nothing changes
                         base = int(self.tags.tags[0]) if alloc is not None else 0
                         self._recorder(rows, pos, slots, fresh=fresh, skip=skip, alloc=alloc, base=base)
-                for span in (torch.int32, torch.int64):  # a spec reserve of nothing (cur = nxt)
-                    with self.lock:
-                        self._reserve_recorder(rows, pos.to(span), pos.to(span), slots, fresh=fresh, alloc=alloc,
-                                               base=base)
+                with self.lock:  # a spec reserve of nothing (cur = nxt), its lengths int32 and int64
+                    for t in (torch.int32, torch.int64):
+                        self._reserve_recorder(rows, pos.to(t), pos.to(t), slots, fresh=fresh, alloc=alloc, base=base)
         if self.tags._bumper is not None:
             zero = torch.zeros(1, dtype=torch.int64, device=dev)
             for fresh in (None, torch.empty(1, dtype=torch.int64, device=dev)):

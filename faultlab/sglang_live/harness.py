@@ -366,8 +366,7 @@ def spawn(spec: dict, folder: str, name: str, timeout: float) -> tuple[int, dict
     """Run one engine in a process of its own (``python -m faultlab.sglang_live.harness``), in ``folder``.
 
     The child gets this process's environment without any ``KVGUARD_*`` / ``FAULTLAB_SGLANG_*``, and the spec's
-    ``env`` on top (its own settings of them). Returns (return code, the result written so far or None, the last 6,000 characters
-    of its stderr).
+    ``env`` on top. Returns (return code, the result written so far or None, the last 6,000 characters of stderr).
     """
     import subprocess
 

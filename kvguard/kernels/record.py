@@ -199,11 +199,10 @@ class DecodeRecorder:
             self._compiled[key] = compiled
 
 
-# A spec step's reserve (SGLang's ``alloc_for_spec_decode``): request ``b`` got the tokens ``[cur[b], nxt[b])``, their slots
-# ``out[off_b:off_b + nxt[b] - cur[b]]`` (``off_b``: the tokens of the requests before it); each of its positions that
-# starts a page got the allocation's next page (batch order, then position order). The same expectations as
-# record_decode over one entry per reserved token, with the entries made here from the device lengths (no host
-# arrays, no copy per step).
+# A spec step's reserve (SGLang's ``alloc_for_spec_decode``): request ``b`` got the tokens ``[cur[b], nxt[b])``, their
+# slots ``out[off_b:off_b + nxt[b] - cur[b]]`` (``off_b``: the tokens of the requests before it); each of its positions
+# that starts a page got the allocation's next page (batch order, then position order). The same expectations as
+# record_decode over one entry per reserved token, the entries made here from the device lengths (no host arrays).
 _PER_RESERVE = ["rows_ptr", "cur_ptr", "nxt_ptr", "slots_ptr", "fresh_ptr", "alloc_ptr", "batch", "n_fresh", "n_out",
                 "base"]
 
@@ -261,11 +260,33 @@ class ReserveRecorder:
         self.expected, self.expected_pages, self.tags, self.page_size = expected, expected_pages, tags, page_size
         self.reference = reference
         self.kernel = DirectLaunch(_record_reserve_kernel, expected.device)
+        self._seen: set = set()  # argument kinds validated once (as DecodeRecorder: no per-step validation)
 
     def __call__(self, rows, cur, nxt, slots, *, fresh=None, alloc=None, n_alloc: int | None = None,
                  base: int = 0) -> None:
         if alloc is not None and fresh is not None:
             raise ValueError("record_reserve: give fresh or alloc, not both")
+        has_fresh = fresh is not None and fresh.numel() > 0
+        n_fresh = fresh.numel() if has_fresh else 0 if alloc is None else alloc.numel() if n_alloc is None else n_alloc
+        has_alloc = alloc is not None and n_fresh > 0
+        key = (has_fresh, has_alloc, spec(rows), spec(cur), spec(nxt), spec(slots),
+               spec(fresh) if has_fresh else None, spec(alloc) if has_alloc else None, base < I32)
+        if key not in self._seen or not rows.numel() == cur.numel() == nxt.numel():
+            self._validate(rows, cur, nxt, slots)
+            self._seen.add(key)
+        if self.reference:
+            if has_alloc:
+                fresh = bump_ref(self.tags, alloc[:n_fresh], base)
+            record_reserve_ref(self.expected, self.expected_pages, rows, cur, nxt, slots, self.tags,
+                               page_size=self.page_size, fresh=fresh)
+            return
+        e, p, t = self.expected, self.expected_pages, self.tags
+        self.kernel((1,), key, (e, p, rows, cur, nxt, slots, fresh if has_fresh else t, t, rows.numel(), n_fresh,
+                                slots.numel(), e.shape[0], e.shape[1], self.page_size, e.stride(0), p.stride(0),
+                                alloc if has_alloc else t, base),
+                    dict(HAS_FRESH=has_fresh, HAS_ALLOC=has_alloc, BLOCK=BLOCK))
+
+    def _validate(self, rows, cur, nxt, slots) -> None:
         dev = self.expected.device
         for name, t in (("rows", rows), ("cur", cur), ("nxt", nxt), ("slots", slots)):
             if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != dev:
@@ -274,22 +295,6 @@ class ReserveRecorder:
         if not rows.numel() == cur.numel() == nxt.numel():
             raise ValueError(f"record_reserve: rows, cur and nxt must have one entry per request "
                              f"({rows.numel()}, {cur.numel()}, {nxt.numel()})")
-        has_fresh = fresh is not None and fresh.numel() > 0
-        n_fresh = fresh.numel() if has_fresh else 0 if alloc is None else alloc.numel() if n_alloc is None else n_alloc
-        has_alloc = alloc is not None and n_fresh > 0
-        if self.reference:
-            if has_alloc:
-                fresh = bump_ref(self.tags, alloc[:n_fresh], base)
-            record_reserve_ref(self.expected, self.expected_pages, rows, cur, nxt, slots, self.tags,
-                               page_size=self.page_size, fresh=fresh)
-            return
-        e, p, t = self.expected, self.expected_pages, self.tags
-        key = (has_fresh, has_alloc, spec(rows), spec(cur), spec(nxt), spec(slots),
-               spec(fresh) if has_fresh else None, spec(alloc) if has_alloc else None, base < I32)
-        self.kernel((1,), key, (e, p, rows, cur, nxt, slots, fresh if has_fresh else t, t, rows.numel(), n_fresh,
-                                slots.numel(), e.shape[0], e.shape[1], self.page_size, e.stride(0), p.stride(0),
-                                alloc if has_alloc else t, base),
-                    dict(HAS_FRESH=has_fresh, HAS_ALLOC=has_alloc, BLOCK=BLOCK))
 
 
 def record_reserve_ref(expected, expected_pages, rows, cur, nxt, slots, tags, *, page_size: int,
