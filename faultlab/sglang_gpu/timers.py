@@ -23,9 +23,18 @@ ENTRIES = {"TagTracker.on_free", "PoolFollower._filter", "TagTracker.expectation
 # Parts of the per-step hooks timed inside them ("inner:<name>" in the file, already part of the hook's time),
 # only with INNER_ENV=1: each timer adds ~1 us to the hook it is in, so a headline run goes without them.
 INNER_ENV = "KVGUARD_BENCH_INNER"
-INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_flags", "SGLangGuard._bound",
+INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_flags",
          "TagTracker.count_check", "SGLangGuard.resolve", "PoolFollower.record_decode", "SGLangGuard.stale_aborts",
-         "BoundCheck.__call__", "VerdictRing.next", "VerdictRing.agree", "SGLangGuard.fire", "SGLangGuard._arm"}
+         "BoundCheck.__call__", "VerdictRing.next", "VerdictRing.agree", "SGLangGuard.fire", "SGLangGuard._arm",
+         # the spec step's parts (kvguard.sglang.spec's module functions: looked up there on every call)
+         "spec._allocated", "spec.record_reserve", "spec.record", "spec.arm", "spec.fire", "TagTracker.record_reserve",
+         "PoolFollower.flush_alloc", "VerdictRing.record_event", "DirectLaunch.run", "SGLangGuard.bound"}
+# where INNER's, ENTRIES' and WAITS' names are defined: a class (its method wrapped where the class or a part of it
+# defines it) or a module (its function replaced in the module)
+CLASSES = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.verdict_ring",
+           "PoolFollower": "kvguard.sglang.follow", "TagTracker": "kvguard.tracker",
+           "BoundCheck": "kvguard.kernels.tag_check", "DirectLaunch": "kvguard.kernels.launch"}
+MODULES = {"spec": "kvguard.sglang.spec"}
 
 def _inner_on() -> bool:
     return os.environ.get(INNER_ENV, "0") not in ("", "0")
@@ -77,19 +86,22 @@ def _time_methods(prof) -> list[str]:
     import importlib
 
     wrap = ENTRIES | WAITS | (INNER if _inner_on() else set())
-    classes = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.verdict_ring",
-               "PoolFollower": "kvguard.sglang.follow", "TagTracker": "kvguard.tracker",
-               "BoundCheck": "kvguard.kernels.tag_check"}
     done = []
     for name in sorted(wrap):
-        cls_name, attr = name.split(".")
-        cls = getattr(importlib.import_module(classes[cls_name]), cls_name)
-        # wrapped where it is defined: the class, or a part it is made of (e.g. SGLangGuard.resolve:
-        # kvguard.sglang.verdicts.VerdictSide, PoolFollower._filter: kvguard.sglang.release.ReleaseSide)
-        owner = next((c for c in cls.__mro__ if attr in vars(c)), cls)
-        value = owner.__dict__.get(attr)
-        if not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
-            raise AttributeError(f"kvguard_bench: {name} is not a method of {cls_name}")
+        owner_name, attr = name.split(".")
+        if owner_name in MODULES:
+            owner = importlib.import_module(MODULES[owner_name])
+            value = getattr(owner, attr, None)
+            if not callable(value):
+                raise AttributeError(f"kvguard_bench: {name} is not a function of {owner.__name__}")
+        else:
+            cls = getattr(importlib.import_module(CLASSES[owner_name]), owner_name)
+            # wrapped where it is defined: the class, or a part it is made of (e.g. SGLangGuard.resolve:
+            # kvguard.sglang.verdicts.VerdictSide, PoolFollower._filter: kvguard.sglang.release.ReleaseSide)
+            owner = next((c for c in cls.__mro__ if attr in vars(c)), cls)
+            value = owner.__dict__.get(attr)
+            if not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
+                raise AttributeError(f"kvguard_bench: {name} is not a method of {owner_name}")
         setattr(owner, attr, prof.timed(name, value))
         done.append(name)
     return done

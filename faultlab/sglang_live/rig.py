@@ -19,37 +19,38 @@ import torch
 _ids = itertools.count(1)
 
 
-def publish_server_args(page_size: int) -> None:
+def publish_server_args(page_size: int, device: str = "cpu") -> None:
     """SGLang reads its runtime config bags (get_exec(), get_spec() ...) from a published ServerArgs."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size, device="cpu"))
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size, device=device))
 
 
 class Rig:
-    """Real SGLang pools + tree on the CPU, and helpers to run requests through prefill and decode."""
+    """Real SGLang pools + tree on the CPU (``device``: on a GPU, for a host-time micro-benchmark there), and helpers
+    to run requests through prefill and decode."""
 
     def __init__(self, page_size: int, *, num_tokens: int = 2048, rows: int = 16, context: int = 512,
-                 allocator: str = "paged", radix: bool = True, need_sort: bool = False):
+                 allocator: str = "paged", radix: bool = True, need_sort: bool = False, device: str = "cpu"):
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.radix_cache import RadixCache
 
-        publish_server_args(page_size)
-        self.page_size = page_size
+        publish_server_args(page_size, device)
+        self.page_size, self.device = page_size, device
         self.kv = MHATokenToKVPool(size=num_tokens, page_size=page_size, dtype=torch.float8_e4m3fn,
-                                   head_num=2, head_dim=16, layer_num=1, device="cpu",
+                                   head_num=2, head_dim=16, layer_num=1, device=device,
                                    enable_memory_saver=False)
         if allocator == "token":
             assert page_size == 1
-            self.allocator = TokenToKVPoolAllocator(num_tokens, dtype=torch.float8_e4m3fn, device="cpu",
+            self.allocator = TokenToKVPoolAllocator(num_tokens, dtype=torch.float8_e4m3fn, device=device,
                                                     kvcache=self.kv, need_sort=need_sort)
         else:
             self.allocator = PagedTokenToKVPoolAllocator(num_tokens, page_size=page_size,
-                                                         dtype=torch.float8_e4m3fn, device="cpu",
+                                                         dtype=torch.float8_e4m3fn, device=device,
                                                          kvcache=self.kv, need_sort=need_sort)
-        self.req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context, device="cpu",
+        self.req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context, device=device,
                                                 enable_memory_saver=False)
         self.tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=self.req_to_token_pool,
                                                token_to_kv_pool_allocator=self.allocator,
