@@ -28,7 +28,8 @@ INNER = {"SGLangGuard.launch", "PoolFollower.batch_rows", "PoolFollower.stale_fl
          "BoundCheck.__call__", "VerdictRing.next", "VerdictRing.agree", "SGLangGuard.fire", "SGLangGuard._arm",
          # the spec step's parts (kvguard.sglang.spec's module functions: looked up there on every call)
          "spec._allocated", "spec.record_reserve", "spec.record", "spec.arm", "spec.fire", "TagTracker.record_reserve",
-         "PoolFollower.flush_alloc", "VerdictRing.record_event", "DirectLaunch.run", "SGLangGuard.bound"}
+         "PoolFollower.flush_alloc", "VerdictRing.record_event", "DirectLaunch.run", "DirectLaunch.__call__",
+         "SGLangGuard.bound"}
 # where INNER's, ENTRIES' and WAITS' names are defined: a class (its method wrapped where the class or a part of it
 # defines it) or a module (its function replaced in the module)
 CLASSES = {"SGLangGuard": "kvguard.sglang.guard", "VerdictRing": "kvguard.sglang.verdict_ring",
