@@ -172,3 +172,21 @@ if __name__ == "__main__":  # python tests/test_kvguard/test_sglang/test_sglang_
     bag = common.get_spec()
     common.get_spec = lambda: _Spec(bag)
     print(json.dumps({"page_size": page_size, **spec_sweep(rig, steps)}))
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 65, 300])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_reserved_counts_equal_numpy_on_fresh_random_lengths(batch, page_size):
+    """The reserve's (positions reserved, positions that start a page), from lists up to spec.SMALL requests and
+    numpy past that: both equal a plain numpy count over fresh random lengths (int32, as SGLang passes them)."""
+    import numpy as np
+
+    from kvguard.sglang import spec
+
+    gen = torch.Generator().manual_seed(batch * 131 + page_size)
+    for _ in range(20):
+        cur = torch.randint(0, 9000, (batch,), dtype=torch.int32, generator=gen)
+        nxt = cur + torch.randint(0, 3 * page_size + 9, (batch,), dtype=torch.int32, generator=gen)
+        c, n = cur.numpy().astype(np.int64), nxt.numpy().astype(np.int64)
+        want = (int((n - c).sum()), int((-(-n // page_size) + (c // -page_size)).sum()))
+        assert spec._reserved(cur, nxt, page_size) == want
