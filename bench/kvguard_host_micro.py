@@ -21,8 +21,6 @@ import sys
 import time
 import types
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def _pct(xs, q):
     xs = sorted(xs)
@@ -31,6 +29,38 @@ def _pct(xs, q):
 
 def _empty_hook(original, *args, **kwargs):
     return original(*args, **kwargs)
+
+
+def init_one_rank() -> None:
+    """One intra-op thread (steadier figures), and torch.distributed as one rank: SGLang initialises it in every
+    scheduler, one rank included, and kvguard's hooks look the attention-TP group up once
+    (kvguard.sglang.runtime._attn_tp), as on a server, not on every step."""
+    import torch
+
+    torch.set_num_threads(1)
+    if not torch.distributed.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def between_hooks(thrash_mb: int = 0):
+    """SGLang's own code between two hooks: not timed, not kvguard's. With ``thrash_mb`` it walks a buffer of that
+    many MB (every cache line), as SGLang's own work between kvguard's hooks evicts kvguard's working set on a
+    server; else nothing."""
+    if not thrash_mb:
+        return lambda *a, **k: None
+    import numpy as np
+
+    buf = np.zeros(thrash_mb * 2**20 // 8)
+
+    def walk(*a, **k):
+        buf[::8] += 1.0
+
+    return walk
 
 
 class _Runner:
@@ -46,16 +76,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
     from kvguard.sglang import batches, graphs, stale
 
-    torch.set_num_threads(1)  # no intra-op worker threads beside the one being timed (steadier figures)
-    if not torch.distributed.is_initialized():
-        # SGLang initialises torch.distributed in every scheduler, one rank included: kvguard's hooks look the
-        # attention-TP group up once (kvguard.sglang.runtime._attn_tp), as on a server, not on every step.
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_one_rank()
     apply_check_hooks()
     context = 64 + steps + 2 * page_size
     prof = profiler._Prof(os.devnull)
@@ -93,17 +114,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
     }
     names = list(timed) + ["PoolFollower.alloc_wrapper"]
     per_step = {n: [] for n in names}
-    # SGLang's own code of that step: not timed, not kvguard's. With --thrash it walks a buffer of that many MB
-    # (every cache line), as SGLang's own work between kvguard's hooks evicts kvguard's working set on a server.
-    if thrash_mb:
-        import numpy as np
-
-        buf = np.zeros(thrash_mb * 2**20 // 8)
-
-        def noop(*a, **k):
-            buf[::8] += 1.0
-    else:
-        noop = lambda *a, **k: None  # noqa: E731
+    noop = between_hooks(thrash_mb)
     for step in range(steps):
         before = {n: prof.per_fn.get(n, [0, 0.0])[1] for n in names}
         timed["reqs_finishing_inflight"](noop, scheduler, batch)
@@ -147,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--stagger", action="store_true",
                    help="prompt lengths spread over a page (requests start pages on different steps)")
     a = p.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (the CPU's: no GPU here)
     try:
         sizes = [int(x) for x in a.batch.split(",")]
         if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1 or a.thrash < 0:

@@ -25,16 +25,9 @@ import sys
 import time
 import types
 
+from kvguard_host_micro import _empty_hook, _pct, between_hooks, init_one_rank  # (bench/, beside this script)
+
 RESERVE = 8  # SGLang's get_alloc_reserve_per_decode() for 3 steps, top-k 1, 4 draft tokens: 2 x 4
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
-
-
-def _empty_hook(original, *args, **kwargs):
-    return original(*args, **kwargs)
 
 
 _PROF: list = []
@@ -63,14 +56,7 @@ def run(batch_size: int, steps: int, page_size: int, device: str, thrash_mb: int
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
     from kvguard.sglang import batches, spec, stale
 
-    torch.set_num_threads(1)
-    if not torch.distributed.is_initialized():  # (as a scheduler has it: kvguard looks its TP group up once)
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_one_rank()
     apply_check_hooks()
     spec._REFUSAL[:] = [None]  # this process's spec configuration: checked (EAGLE 3/1/4)
     context = 64 + 4 * steps + 2 * page_size + 2 * RESERVE
@@ -99,15 +85,7 @@ def run(batch_size: int, steps: int, page_size: int, device: str, thrash_mb: int
     names = list(timed) + ["PoolFollower.alloc_wrapper"]
     per_step = {n: [] for n in names}
     allocated: list[bool] = []
-    if thrash_mb:
-        import numpy as np
-
-        buf = np.zeros(thrash_mb * 2**20 // 8)
-
-        def noop(*a, **k):
-            buf[::8] += 1.0
-    else:
-        noop = lambda *a, **k: None  # noqa: E731
+    noop = between_hooks(thrash_mb)
     rng = random.Random(seed)
     inner_start = None
     for step in range(steps):
