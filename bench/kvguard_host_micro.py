@@ -63,6 +63,29 @@ def between_hooks(thrash_mb: int = 0):
     return walk
 
 
+def sglang_original(fn):
+    """SGLang's own function under the hooks HookRegistry put on it (what a hook's ``original`` is)."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def step_hooks(prof, **hooks) -> dict:
+    """kvguard's per-step AROUND hooks, each timed by ``prof`` as the profiler times it on a server: the stale-row
+    abort before the step (kvguard.sglang.stale), ``hooks`` (name: hook) in order, the verdict's read, and the floor
+    (an AROUND hook that only calls SGLang's code, timed the same way: the profiler's own share and a hook's call, as
+    cold as the others; not kvguard's, not in the sum)."""
+    from kvguard.sglang import batches, stale
+
+    timed = {"reqs_finishing_inflight": prof.timed("reqs_finishing_inflight", stale.around_reqs_finishing_inflight,
+                                                   around=True)}
+    timed.update({name: prof.timed(name, hook, around=True) for name, hook in hooks.items()})
+    timed["process_batch_result_decode"] = prof.timed("process_batch_result_decode",
+                                                      batches._around_process_batch_result_decode, around=True)
+    timed["empty_hook"] = prof.timed("empty_hook", _empty_hook, around=True)
+    return timed
+
+
 class _Runner:
     """SGLang's decode graph runner as kvguard's replay hook reads it (its model runner's allocator)."""
 
@@ -74,7 +97,7 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
 
     from faultlab.sglang_gpu import profiler, timers
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
-    from kvguard.sglang import batches, graphs, stale
+    from kvguard.sglang import batches, graphs
 
     init_one_rank()
     apply_check_hooks()
@@ -96,22 +119,9 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
     guard.defer = True
     scheduler = types.SimpleNamespace(tree_cache=rig.tree, output_streamer=types.SimpleNamespace(stream_output=None))
     processor = scheduler
-    alloc_original = allocation.alloc_for_decode
-    while hasattr(alloc_original, "__wrapped__"):
-        alloc_original = alloc_original.__wrapped__
-
-    timed = {
-        # the stale-row abort before the step (kvguard.sglang.stale; until issue 47 on update_running_batch)
-        "reqs_finishing_inflight": prof.timed("reqs_finishing_inflight", stale.around_reqs_finishing_inflight,
-                                              around=True),
-        "alloc_for_decode": prof.timed("alloc_for_decode", batches._around_alloc_for_decode, around=True),
-        "graph_execute": prof.timed("graph_execute", graphs._around_graph_execute, around=True),
-        "process_batch_result_decode": prof.timed("process_batch_result_decode",
-                                                  batches._around_process_batch_result_decode, around=True),
-        # the floor: an AROUND hook that only calls SGLang's code, timed the same way (the profiler's own share
-        # and a hook's call, as cold as the others; not kvguard's, not in the sum)
-        "empty_hook": prof.timed("empty_hook", _empty_hook, around=True),
-    }
+    alloc_original = sglang_original(allocation.alloc_for_decode)
+    timed = step_hooks(prof, alloc_for_decode=batches._around_alloc_for_decode,
+                       graph_execute=graphs._around_graph_execute)
     names = list(timed) + ["PoolFollower.alloc_wrapper"]
     per_step = {n: [] for n in names}
     noop = between_hooks(thrash_mb)
@@ -168,14 +178,22 @@ def main(argv=None) -> int:
               "--repeat >= 1, --thrash >= 0",
               file=sys.stderr)
         return 2
-    print(f"{'hook':32s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
+    table(sizes, lambda b: [run(b, a.steps, a.page_size, a.stagger, a.thrash) for _ in range(a.repeat)], 32)
+    return 0
+
+
+def table(sizes, runs_of, width: int) -> None:
+    """Print one row per figure, one column per batch size: the lowest p50 of ``runs_of(size)``'s runs (each a dict
+    of figure: (p50, p99); a shared CPU's noise only ever adds time), with its p99."""
+    print(f"{'hook':{width}s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
     results = []
     for b in sizes:
-        runs = [run(b, a.steps, a.page_size, a.stagger, a.thrash) for _ in range(a.repeat)]
-        results.append({name: min((r[name] for r in runs), key=lambda v: v[0]) for name in runs[0]})
-    for name in results[0]:
-        print(f"{name:32s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" for r in results))
-    return 0
+        runs = runs_of(b)
+        results.append({name: min((r[name] for r in runs if name in r), key=lambda v: v[0])
+                        for name in dict.fromkeys(k for r in runs for k in r)})
+    for name in dict.fromkeys(k for r in results for k in r):
+        print(f"{name:{width}s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" if name in r else " | -"
+                                           for r in results))
 
 
 if __name__ == "__main__":

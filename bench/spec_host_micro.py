@@ -25,7 +25,7 @@ import sys
 import time
 import types
 
-from kvguard_host_micro import _empty_hook, _pct, between_hooks, init_one_rank  # (bench/, beside this script)
+from kvguard_host_micro import _pct, between_hooks, init_one_rank, sglang_original, step_hooks, table  # (bench/, beside this script)
 
 RESERVE = 8  # SGLang's get_alloc_reserve_per_decode() for 3 steps, top-k 1, 4 draft tokens: 2 x 4
 
@@ -54,7 +54,7 @@ def run(batch_size: int, steps: int, page_size: int, device: str, thrash_mb: int
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from faultlab.sglang_live.rig import Rig, apply_check_hooks
-    from kvguard.sglang import batches, spec, stale
+    from kvguard.sglang import spec
 
     init_one_rank()
     apply_check_hooks()
@@ -70,18 +70,9 @@ def run(batch_size: int, steps: int, page_size: int, device: str, thrash_mb: int
     cuda = device.startswith("cuda")
     worker = types.SimpleNamespace()
     scheduler = types.SimpleNamespace(tree_cache=rig.tree, output_streamer=types.SimpleNamespace(stream_output=None))
-    alloc_original = allocation.alloc_for_spec_decode
-    while hasattr(alloc_original, "__wrapped__"):
-        alloc_original = alloc_original.__wrapped__
-    timed = {
-        "reqs_finishing_inflight": prof.timed("reqs_finishing_inflight", stale.around_reqs_finishing_inflight,
-                                              around=True),
-        "alloc_for_spec_decode": prof.timed("alloc_for_spec_decode", spec.around_alloc_for_spec_decode, around=True),
-        "spec_forward": prof.timed("spec_forward", spec.around_spec_forward, around=True),
-        "process_batch_result_decode": prof.timed("process_batch_result_decode",
-                                                  batches._around_process_batch_result_decode, around=True),
-        "empty_hook": prof.timed("empty_hook", _empty_hook, around=True),  # the floor (not in the sum)
-    }
+    alloc_original = sglang_original(allocation.alloc_for_spec_decode)
+    timed = step_hooks(prof, alloc_for_spec_decode=spec.around_alloc_for_spec_decode,
+                       spec_forward=spec.around_spec_forward)
     names = list(timed) + ["PoolFollower.alloc_wrapper"]
     per_step = {n: [] for n in names}
     allocated: list[bool] = []
@@ -164,15 +155,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.inner:
         os.environ["KVGUARD_BENCH_INNER"] = "1"
-    print(f"{'hook':58s}" + "".join(f" | batch {b:>4}: p50 / p99 µs" for b in sizes))
-    results = []
-    for b in sizes:
-        runs = [run(b, a.steps, a.page_size, a.device, a.thrash, seed=i) for i in range(a.repeat)]
-        results.append({name: min((r[name] for r in runs if name in r), key=lambda v: v[0])
-                        for name in dict.fromkeys(k for r in runs for k in r)})
-    for name in dict.fromkeys(k for r in results for k in r):
-        print(f"{name:58s}" + "".join(f" | {r[name][0]:14.1f} / {r[name][1]:7.1f}" if name in r else " | -"
-                                      for r in results))
+    table(sizes, lambda b: [run(b, a.steps, a.page_size, a.device, a.thrash, seed=i) for i in range(a.repeat)], 58)
     return 0
 
 
