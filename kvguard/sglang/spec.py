@@ -56,7 +56,7 @@ import torch
 
 from ..kernels.tag_check import WriteGuard
 from . import mamba_spec
-from .guard import PADDING_ROW, SCRATCH_SLOT, Pending
+from .guard import PADDING_ROW, SCRATCH_SLOT, SMALL, Pending, max_and_sum
 from .paths import SPEC_CHECKED as CHECKED_ALGORITHMS  # noqa: F401  (the registry holds the list; re-exported)
 
 log = logging.getLogger("kvguard.sglang")
@@ -186,15 +186,12 @@ def record_reserve(guard, batch, out, cur, nxt, cur_cpu, nxt_cpu) -> bool:
 
 def _reserved(cur_cpu, nxt_cpu, ps: int) -> tuple[int, int]:
     """(positions reserved, positions that start a page) over the batch, from the host lengths: Python lists up to
-    SMALL requests (a few times faster than numpy there), numpy past that."""
+    SMALL requests (as :func:`kvguard.sglang.guard.max_and_sum`), numpy past that."""
     if cur_cpu.numel() <= SMALL:
         c, n = cur_cpu.tolist(), nxt_cpu.tolist()
         return sum(n) - sum(c), sum([(b + ps - 1) // ps - (a + ps - 1) // ps for a, b in zip(c, n)])
     c, n = cur_cpu.numpy(), nxt_cpu.numpy()
     return int(np.add.reduce(n - c)), int(np.add.reduce((n + ps - 1) // ps - (c + ps - 1) // ps))
-
-
-SMALL = 64
 
 
 def record(guard, batch, out, cur_cpu, nxt_cpu, stale) -> None:
@@ -248,8 +245,8 @@ def arm(guard, batch, nxt, nxt_cpu, stale, any_stale) -> Pending:
     from . import runtime
 
     rows_ = guard.batch_rows(batch)
-    lens = nxt_cpu.tolist()  # (a list's max and sum: a few times faster than numpy's at these sizes)
-    step = SpecStep(nxt, max(lens), sum(lens), rows_,
+    longest, total = max_and_sum(nxt_cpu)
+    step = SpecStep(nxt, longest, total, rows_,
                     None if runtime._ONE_RANK else (runtime._GROUP[0] if runtime._GROUP else runtime._attn_tp())[1])
     # (positional: Pending's fields in order; ``batch`` holds the armed step until it is launched)
     pending = Pending(guard, None, rows_.snapshot, -1, 0, stale, None, None, rows_.owner_dev,

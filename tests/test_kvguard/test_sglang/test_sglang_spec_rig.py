@@ -190,3 +190,14 @@ def test_reserved_counts_equal_numpy_on_fresh_random_lengths(batch, page_size):
         c, n = cur.numpy().astype(np.int64), nxt.numpy().astype(np.int64)
         want = (int((n - c).sum()), int((-(-n // page_size) + (c // -page_size)).sum()))
         assert spec._reserved(cur, nxt, page_size) == want
+
+
+@pytest.mark.parametrize("batch", [0, 1, 64, 65, 500])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_max_and_sum_of_host_lengths_equal_torch_on_both_branches(batch, dtype):
+    """The decode and spec steps' longest row and total entries (kvguard.sglang.guard.max_and_sum: a list up to SMALL
+    requests, numpy past that) equal torch's over fresh random lengths; (0, 0) for an empty batch."""
+    from kvguard.sglang.guard import max_and_sum
+
+    lens = torch.randint(0, 100_000, (batch,), dtype=dtype, generator=torch.Generator().manual_seed(batch))
+    assert max_and_sum(lens) == ((int(lens.max()), int(lens.sum())) if batch else (0, 0))
