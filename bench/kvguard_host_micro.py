@@ -158,28 +158,41 @@ def run(batch_size: int, steps: int, page_size: int, stagger: bool = False, thra
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", default="1,64", help="decode batch sizes, comma separated")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--thrash", type=int, default=0, metavar="MB",
-                   help="walk a buffer of MB megabytes between the hooks (a server's own work evicting kvguard's)")
+    p = parser(steps=2000)
     p.add_argument("--stagger", action="store_true",
                    help="prompt lengths spread over a page (requests start pages on different steps)")
     a = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (the CPU's: no GPU here)
+    sizes = batch_sizes(a, "kvguard_host_micro")
+    if sizes is None:
+        return 2
+    table(sizes, lambda b: [run(b, a.steps, a.page_size, a.stagger, a.thrash) for _ in range(a.repeat)], 32)
+    return 0
+
+
+def parser(steps: int) -> argparse.ArgumentParser:
+    """The options both micros take (this one's and bench/spec_host_micro.py's)."""
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n")[0])
+    p.add_argument("--batch", default="1,64", help="batch sizes, comma separated")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--thrash", type=int, default=0, metavar="MB",
+                   help="walk a buffer of MB megabytes between the hooks (a server's own work evicting kvguard's)")
+    return p
+
+
+def batch_sizes(a, prog: str) -> list[int] | None:
+    """The batch sizes of ``--batch``, or None (and the reason on stderr) when an option is out of range."""
     try:
         sizes = [int(x) for x in a.batch.split(",")]
         if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1 or a.thrash < 0:
             raise ValueError
     except ValueError:
-        print("kvguard_host_micro: --batch must be positive integers, --steps >= 20, --page-size >= 1, "
-              "--repeat >= 1, --thrash >= 0",
-              file=sys.stderr)
-        return 2
-    table(sizes, lambda b: [run(b, a.steps, a.page_size, a.stagger, a.thrash) for _ in range(a.repeat)], 32)
-    return 0
+        print(f"{prog}: --batch must be positive integers, --steps >= 20, --page-size >= 1, --repeat >= 1, "
+              f"--thrash >= 0", file=sys.stderr)
+        return None
+    return sizes
 
 
 def table(sizes, runs_of, width: int) -> None:

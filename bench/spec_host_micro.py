@@ -18,14 +18,14 @@ ones that count: this loop keeps kvguard's working set warm between its hooks un
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 import time
 import types
 
-from kvguard_host_micro import _pct, between_hooks, init_one_rank, sglang_original, step_hooks, table  # (bench/, beside this script)
+from kvguard_host_micro import (_pct, batch_sizes, between_hooks, init_one_rank, parser, sglang_original, step_hooks,
+                                table)  # (bench/, beside this script)
 
 RESERVE = 8  # SGLang's get_alloc_reserve_per_decode() for 3 steps, top-k 1, 4 draft tokens: 2 x 4
 
@@ -133,23 +133,12 @@ def run(batch_size: int, steps: int, page_size: int, device: str, thrash_mb: int
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(steps=1000)
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
-    p.add_argument("--batch", default="1,64", help="batch sizes, comma separated")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--thrash", type=int, default=0, metavar="MB",
-                   help="walk a buffer of MB megabytes between the hooks (a server's own work evicting kvguard's)")
     p.add_argument("--inner", action="store_true", help="the profiler's inner timers too (KVGUARD_BENCH_INNER=1)")
     a = p.parse_args(argv)
-    try:
-        sizes = [int(x) for x in a.batch.split(",")]
-        if not sizes or min(sizes) < 1 or a.steps < 20 or a.page_size < 1 or a.repeat < 1 or a.thrash < 0:
-            raise ValueError
-    except ValueError:
-        print("spec_host_micro: --batch must be positive integers, --steps >= 20, --page-size >= 1, --repeat >= 1, "
-              "--thrash >= 0", file=sys.stderr)
+    sizes = batch_sizes(a, "spec_host_micro")
+    if sizes is None:
         return 2
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
