@@ -38,9 +38,10 @@ Environment
     SGLang's Mooncake prefill send path on a plain CPU device (:mod:`.cpu_pd`); tests only.
 ``FAULTLAB_SGLANG_SWA_CUDA_FREE=1``
     SGLang's CUDA branch of the SWA free (its Triton kernel) on a CPU device (:mod:`.cpu_swa`); tests only.
-``FAULTLAB_SGLANG_PD_SLOW_SEND=<trigger>:<seconds>``, ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT=<rid prefix>``
-    PD over Mooncake (:mod:`.pd_faults`): hold the prefill's next send while the trigger file exists (a transfer
-    aborted in flight lands late); ``prefill_index_shift`` on the prefill server.
+``FAULTLAB_SGLANG_PD_SLOW_SEND``, ``FAULTLAB_SGLANG_PD_LATE_LAND``, ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT``
+    PD over Mooncake or NIXL (:mod:`.pd_faults`): hold the prefill's next send once a trigger file exists (a
+    transfer aborted in flight lands late), land it in a decoding request's pages; ``prefill_index_shift`` on the
+    prefill server.
 ``FAULTLAB_SGLANG_DUMMY_INIT=<std>``
     After SGLang's dummy loader, re-draw every weight from a seeded normal (std ``<std>`` scaled by
     1/sqrt(fan-in); norms 1.0), so that a tiny dummy model's output depends on its KV cache (SGLang's
@@ -246,9 +247,9 @@ def register(env=None) -> bool:
         from . import cpu_swa
 
         cpu_swa.install()
-    if env.get("FAULTLAB_SGLANG_PD_SLOW_SEND") or env.get("FAULTLAB_SGLANG_PD_PREFILL_SHIFT"):
-        from . import pd_faults  # PD over Mooncake: a held send, a prefill-side fault
+    from . import pd_faults  # PD over Mooncake or NIXL: a held send, its late landing, a prefill-side fault
 
+    if any(env.get(name) for name in pd_faults.ENVS):
         pd_faults.install(env)
     try:
         plan = parse_plan(env.get(ENV_FAULTS, ""), env.get(ENV_SEED, "0"))

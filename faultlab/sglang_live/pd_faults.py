@@ -5,9 +5,22 @@ Installed by faultlab's SGLang plugin (:func:`faultlab.sglang_live.inject.regist
 ``FAULTLAB_SGLANG_PD_SLOW_SEND=<trigger path>:<seconds>``
     AROUND SGLang's ``MooncakeKVManager.send_kvcache`` and ``NixlKVManager.send_kvcache`` (the prefill transfer
     worker's write of one chunk into the decode server's pages; only the pair's backend runs): a send that starts
-    while the trigger file exists removes it and waits ``<seconds>`` before SGLang's own send. A driver creates
-    the file right before it sends one request, so that request's transfer is in flight long enough for the
-    driver to abort it on the decode server: the write then lands after the abort, as a late write does.
+    while the trigger file exists removes it and waits, at most ``<seconds>``, for ``<trigger path>.go`` before
+    SGLang's own send, then creates ``<trigger path>.landed``. A driver creates the trigger right before it sends one
+    request, so that request's transfer is in flight long enough for the driver to abort it on the decode server:
+    the write then lands after the abort, as a late write does.
+``FAULTLAB_SGLANG_PD_LATE_LAND=<trigger path>:<late rid prefix>:<victim rid prefix>``
+    On the decode server: the held write lands in pages decoding requests hold, in that order, not by timing.
+    AFTER ``ScheduleBatch.prepare_for_decode``: each victim's first decode step logs ``victim_decoding`` (its own
+    transfer has landed), and the first one merges SGLang's release list into its free list
+    (``merge_and_sort_free``, which SGLang's PD allocator runs itself whenever its free list runs dry), so that from
+    then on the release list holds the late request's slots alone. AFTER ``DecodePreallocQueue._pre_alloc`` the
+    late request's destination slots are recorded. Until SGLang frees them (on its deferred-release timeout after
+    the abort), each victim step is paced (:data:`PACE_S`), so the victims do not run the free list dry first. Once
+    the allocator has handed :data:`GO_HITS` of them to victims, and the forward that wrote the victims' own K/V
+    there has run, it creates ``<trigger path>.go`` and waits (the scheduler thread only; the transfer engine
+    receives on threads of its own) for ``<trigger path>.landed``. The victims' next step reads the late K/V.
+    ``inject`` line: ``late_transfer_landed``, its victims, their slots and output lengths at the landing.
 ``FAULTLAB_SGLANG_PD_PREFILL_SHIFT=<rid prefix>``
     ``prefill_index_shift`` on the prefill server: AFTER ``ScheduleBatch.prepare_for_extend`` (SGLang wrote the
     extend's row entries; kvguard's own AFTER hook, registered after faultlab's, checks them next), each request
@@ -21,6 +34,11 @@ import os
 import time
 
 SLOW_ENV, SHIFT_ENV = "FAULTLAB_SGLANG_PD_SLOW_SEND", "FAULTLAB_SGLANG_PD_PREFILL_SHIFT"
+LAND_ENV = "FAULTLAB_SGLANG_PD_LATE_LAND"
+ENVS = (SLOW_ENV, SHIFT_ENV, LAND_ENV)
+PREALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"
+DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+PACE_S, GO_HITS, LAND_WAIT_S = 0.25, 4, 60.0
 SENDS = ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache",
          "sglang.srt.disaggregation.nixl.conn.NixlKVManager.send_kvcache")
 EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
@@ -35,6 +53,10 @@ def install(env) -> None:
             HookRegistry.register(send, hook, HookType.AROUND)
     if env.get(SHIFT_ENV):
         HookRegistry.register(EXTEND, _prefill_shift(env[SHIFT_ENV]), HookType.AFTER)
+    if env.get(LAND_ENV):
+        land = _LateLanding(*env[LAND_ENV].rsplit(":", 2))
+        HookRegistry.register(PREALLOC, land.after_pre_alloc, HookType.AFTER)
+        HookRegistry.register(DECODE, land.after_prepare_for_decode, HookType.AFTER)
 
 
 def _slow_send(value: str):
@@ -46,8 +68,11 @@ def _slow_send(value: str):
             os.remove(path)
         except FileNotFoundError:
             return original(manager, *args, **kwargs)
-        time.sleep(delay)
-        return original(manager, *args, **kwargs)
+        _wait_for(path + ".go", delay)
+        try:
+            return original(manager, *args, **kwargs)
+        finally:
+            open(path + ".landed", "w").close()
 
     return around_send
 
@@ -72,3 +97,78 @@ def _prefill_shift(prefix: str):
         return None
 
     return after_prepare_for_extend
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    """Poll until ``path`` exists (True) or ``seconds`` passed (False)."""
+    deadline = time.time() + seconds
+    while not os.path.exists(path):
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class _LateLanding:
+    """The decode side of ``FAULTLAB_SGLANG_PD_LATE_LAND`` (module docstring)."""
+
+    def __init__(self, trigger: str, late: str, victim: str):
+        self.trigger, self.late, self.victim = trigger, late, victim
+        self.dest, self.dest_set = None, set()  # the late request's destination slots, once preallocated
+        self.decoding: set[str] = set()
+        self.hits: dict[str, list[int]] = {}  # victim rid -> the destination slots it was given
+        self.released = self.armed = self.done = False
+
+    def after_pre_alloc(self, result, queue, req, *args, **kwargs):
+        if self.dest is None and str(req.rid).startswith(self.late) and result is not None:
+            from .runtime import log
+
+            self.dest = result.detach().to("cpu", copy=True)
+            self.dest_set = set(self.dest.tolist())
+            log("late_destination", rid=str(req.rid), slots=self.dest.tolist())
+        return None
+
+    def after_prepare_for_decode(self, result, batch, *args, **kwargs):
+        victims = [i for i, r in enumerate(batch.reqs) if str(r.rid).startswith(self.victim)]
+        if self.done or not victims:
+            return None
+        import torch
+
+        from .runtime import log
+
+        allocator = batch.token_to_kv_pool_allocator
+        for i in victims:
+            rid = str(batch.reqs[i].rid)
+            if rid not in self.decoding:
+                if not self.decoding and getattr(allocator, "need_sort", False):
+                    allocator.merge_and_sort_free()
+                self.decoding.add(rid)
+                log("victim_decoding", rid=rid)
+        if self.armed:  # the forward that wrote the victims' K/V into the destination has run
+            self._land(batch)
+            return None
+        locs = batch.out_cache_loc.to("cpu")[victims]  # the victims' slots of this step
+        if not self.released:
+            if self.dest is not None:  # freed: on the free lists, or handed to a victim by this step's alloc
+                ps = int(allocator.page_size)
+                free = torch.cat([p.to("cpu") for p in (allocator.free_pages, allocator.release_pages)
+                                  if p is not None] + [locs // ps])
+                self.released = bool(torch.isin(self.dest // ps, free).all())
+            if not self.released:
+                time.sleep(PACE_S)  # the abort and the deferred release are handled between steps
+                return None
+        for i, loc in zip(victims, locs.tolist()):
+            if loc in self.dest_set:
+                self.hits.setdefault(str(batch.reqs[i].rid), []).append(loc)
+        self.armed = sum(map(len, self.hits.values())) >= GO_HITS
+        return None
+
+    def _land(self, batch) -> None:
+        from .runtime import log
+
+        self.done = True
+        open(self.trigger + ".go", "w").close()
+        landed = _wait_for(self.trigger + ".landed", LAND_WAIT_S)
+        at = {str(r.rid): len(r.output_ids) for r in batch.reqs if str(r.rid) in self.hits}
+        log("inject", fault="late_transfer_landed", victims=sorted(self.hits), slots=self.hits, landed=landed,
+            output_len_at_landing=at)

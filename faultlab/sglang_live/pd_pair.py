@@ -158,18 +158,23 @@ class Pair:
     """A prefill and a decode server; ``generate`` sends each request to both, as SGLang's router does."""
 
     def __init__(self, folder: str, prefill_env: dict, decode_env: dict, base_port: int = 31000,
-                 engine: dict | None = None, prefill_spec: dict | None = None):
+                 engine: dict | None = None, prefill_spec: dict | None = None, decode_spec: dict | None = None):
         """``engine``: sglang.Engine settings of both servers (e.g. the transfer backend; Mooncake by default);
-        ``prefill_spec``: SPEC keys of the prefill server alone (e.g. ``max_total_tokens``)."""
+        ``prefill_spec``, ``decode_spec``: SPEC keys of one server alone (e.g. ``max_total_tokens``; an ``engine``
+        there adds to the common one)."""
         from .harness import write_model
 
         model = write_model(os.path.join(folder, "model"))
-        common = {"model": model, "bootstrap_port": base_port + 998, "engine": engine or {}}
-        self.prefill = Role("prefill", {**common, "port": base_port, "env": prefill_env, **(prefill_spec or {})},
-                            folder)
+        common = {"model": model, "bootstrap_port": base_port + 998}
+
+        def spec(port: int, env: dict, own: dict | None, **more) -> dict:
+            own = dict(own or {})
+            return {**common, "port": port, "env": env, **more, **own,
+                    "engine": {**(engine or {}), **own.get("engine", {})}}
+
+        self.prefill = Role("prefill", spec(base_port, prefill_env, prefill_spec), folder)
         # (the decode server logs warnings: SGLang's deferred-release timeout and kvguard's hold are warnings)
-        self.decode = Role("decode", {**common, "port": base_port + 2000, "env": decode_env, "log_level": "warning"},
-                           folder)
+        self.decode = Role("decode", spec(base_port + 2000, decode_env, decode_spec, log_level="warning"), folder)
         self._room, self._aborted = 1000, set()
         for role in (self.prefill, self.decode):
             role.wait(lambda x: x.get("op") == "ready", 900, "start")

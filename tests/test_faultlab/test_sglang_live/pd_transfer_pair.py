@@ -23,26 +23,30 @@ def pd_prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(24 + 3 * i)] for i in range(n)]
 
 
-def fault_envs(mode: str, trigger: str) -> tuple[dict, dict]:
+def fault_envs(mode: str, trigger: str, hold_s: float = HOLD_S, land: str | None = None) -> tuple[dict, dict]:
     """The prefill's and the decode's environment: kvguard's mode, and the faults each server carries (a send held
-    HOLD_S seconds once ``trigger`` exists, prefill_index_shift on rids ``pshift-*``; swapped_entries on the decode
-    server, and its deferred-release timeout shortened to 1 s)."""
-    prefill = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{HOLD_S}",
+    at most ``hold_s`` seconds once ``trigger`` exists, prefill_index_shift on rids ``pshift-*``; swapped_entries on
+    the decode server, its deferred-release timeout shortened to 1 s, and with ``land`` ("<late prefix>:<victim
+    prefix>") the held write landing in a decoding victim's pages)."""
+    prefill = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{hold_s}",
                "FAULTLAB_SGLANG_PD_PREFILL_SHIFT": "pshift-"}
     decode = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_FAULTS": SWAP_PLAN,
               "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}
+    if land:
+        decode["FAULTLAB_SGLANG_PD_LATE_LAND"] = f"{trigger}:{land}"
     return prefill, decode
 
 
-def start_pair(backend: str, tmp_path_factory, mode: str, port_shift: int = 0, prefill_spec: dict | None = None):
+def start_pair(backend: str, tmp_path_factory, mode: str, port_shift: int = 0, prefill_spec: dict | None = None,
+               decode_spec: dict | None = None, **faults):
     """The pair on ``backend`` (skipped where its transfer engine does not import), both servers ``KVGUARD_MODE=mode``
-    with the faults of :func:`fault_envs`: (pair, its folder, the held-send trigger file)."""
+    with the faults of :func:`fault_envs` (``faults``: its keywords): (pair, its folder, the held-send trigger file)."""
     from faultlab.sglang_live.pd_pair import Pair
 
     module, port, engine = BACKENDS[backend]
     pytest.importorskip(module, reason=f"{backend}'s transfer engine does not import here")
     folder = str(tmp_path_factory.mktemp(f"pd_{mode}_{backend}"))
     trigger = os.path.join(folder, "hold-next-send")
-    pair = Pair(folder, *fault_envs(mode, trigger), base_port=port + port_shift, engine=engine,
-                prefill_spec=prefill_spec)
+    pair = Pair(folder, *fault_envs(mode, trigger, **faults), base_port=port + port_shift, engine=engine,
+                prefill_spec=prefill_spec, decode_spec=decode_spec)
     return pair, folder, trigger

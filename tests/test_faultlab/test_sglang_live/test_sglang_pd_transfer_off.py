@@ -14,32 +14,39 @@ It runs in a pytest-xdist worker of its own beside that file (``--dist loadfile`
   fault-free run's of its prompt, and the prefill's radix cache keeps the shifted row, so a later fault-free request
   with that prompt gets the victim's wrong tokens too.
 - A transfer aborted while its send is held: SGLang releases its destination on its deferred-release timeout (1 s)
-  while the write is still on its way (with kvguard the destination is held until the prefill's drain ack).
+  while the write is still on its way (with kvguard the destination is held until the prefill's drain ack), its
+  allocator hands those slots to a request that is decoding, and the late write lands there: that request is served
+  without an error, its tokens the fault-free run's up to the landing and other ones after it.
 
 What differs from the checked pair, all for the prefill fault's fault-free reference: that prompt's reference runs
 first (a prompt the prefill has seen is a radix hit there, and the shift strikes only at an extended position); the
 prefill's pool is PREFILL_TOKENS, so that the reference, the least recently used entry, leaves its radix cache before
 the fault's episode; and that episode is the last, since with kvguard off the victim's row (one slot twice, its own
-slot lost) stays in the prefill's radix cache, and evicting it would free the doubled slot twice.
+slot lost) stays in the prefill's radix cache, and evicting it would free the doubled slot twice. And, for the late
+write: the decode server's pool is DECODE_TOKENS with SGLang's decode reservation cut to RESERVED, so that a victim of
+LONG new tokens runs the free list dry after the release.
 (SGLANG_RADIX_FORCE_MISS does not help: a reference run after the fault is recomputed, but SGLang points its row at
-the cached, shifted slots before its send, and its client gets the victim's tokens.) The decode server is as there.
+the cached, shifted slots before its send, and its client gets the victim's tokens.)
 
-Not shown: the late write landing in pages another request holds. The prefill's transfer worker sends one decode
-server's transfers in order, so a request preallocated after the abort is written after the late write; only a
-request decoding across the hold could take the freed pages. SGLang's PD allocator (``need_sort``) puts freed slots on
-a release list, merged into its free list only when that runs short, so such a request would have to exhaust the
-free list between the release and the landing: a matter of decode speed (on this CPU ~5 ms a step when idle, several
-times that under load), which the timed hold of faultlab/sglang_live/pd_faults.py cannot be ordered against.
+How the late write is ordered, not timed: the prefill's transfer worker sends one decode server's transfers in
+order, so a request preallocated after the abort is written after the late write; only a request decoding across
+the hold can take the freed pages, and SGLang's PD allocator (``need_sort``) merges freed slots into its free list
+only when that runs dry. So the victim starts decoding first; the late request's send is held until the decode
+server's injector (``FAULTLAB_SGLANG_PD_LATE_LAND``, faultlab/sglang_live/pd_faults.py) sees its destination freed,
+merged and GO_HITS of its slots given to the victim and written by the victim's forward; the decode server then waits
+for the write to land before its next step. Until the release, the victim's steps are paced once the free list is
+short, so it does not run dry first.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import time
 
 import pytest
-from pd_transfer_pair import BACKENDS, HOLD_S, NEW, SWAP_RIDS, pd_prompts, start_pair
+from pd_transfer_pair import BACKENDS, NEW, SWAP_RIDS, pd_prompts, start_pair
 
 from faultlab.sglang_live.pd_pair import Pair
 
@@ -47,6 +54,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
 PORT_SHIFT = 10000  # the checked module's pair may run at the same time
 PREFILL_TOKENS = 128  # < the 150 tokens of the five prompts: the least recently used prompt is evicted
+DECODE_TOKENS, RESERVED = 320, 8  # the decode pool, and SGLang's decode reservation per request (512 by default)
+LAND_RIDS, LONG = [f"land-v{i}" for i in range(4)], 55  # the late write's victims: 4 x (24 + LONG) = the pool - 4
+LAND_HOLD_S = 60.0  # late-0's send waits at most this long for the victim to take its freed slots
 
 
 def _released(folder: str, rid: str) -> bool:
@@ -57,37 +67,52 @@ def _released(folder: str, rid: str) -> bool:
     return bool(room) and f"Deferred KV release for room {room.group(1)} timed out" in log
 
 
-def _late(pair: Pair, folder: str, trigger: str, prompt: list[int]) -> dict:
-    """late-0's send held HOLD_S s, late-0 aborted on the decode server: seconds from (a bound below) the hold's start
-    to SGLang's release of its destination, None if not released before the write could land."""
+def land_prompts() -> tuple[list[list[int]], list[int]]:
+    """The victims' prompts (24 tokens each) and late-0's (64: its destination is what the victims take last)."""
+    rng = random.Random(11)
+    return [[rng.randrange(3, 1000) for _ in range(24)] for _ in LAND_RIDS], [rng.randrange(3, 1000) for _ in range(64)]
+
+
+def _late(pair: Pair, folder: str, trigger: str) -> dict:
+    """The victims decoding, late-0's send held, late-0 aborted on the decode server: the answers, and whether SGLang
+    released late-0's destination on its deferred-release timeout (before the write landed: the decode server's
+    injector lets it land only in slots freed and handed on)."""
+    victims, late = land_prompts()
+    for rid, prompt in zip(LAND_RIDS, victims):
+        pair.send((rid, prompt, LONG))
+    t0 = time.time()
+    while len({e["rid"] for e in pair.decode.events() if e["event"] == "victim_decoding"}) < len(LAND_RIDS):
+        assert time.time() - t0 < 120, "the victims never all decoded"  # their KV landed: the trigger holds
+        time.sleep(0.02)  # late-0's send, not theirs
     open(trigger, "w").close()
-    sent = start = time.time()  # the held send starts after ``start``: its write lands after start + HOLD_S
-    pair.send(("late-0", prompt, NEW))
+    sent = start = time.time()
+    pair.send(("late-0", late, NEW))
     while os.path.exists(trigger):
         start = time.time()
         assert start - sent < 120, "late-0's KV send never started"
         time.sleep(0.05)
     time.sleep(0.5)
     pair.decode.send({"op": "abort", "rid": "late-0"})
-    answer = pair.answers(["late-0"])["late-0"]
-    released = None
-    while released is None and time.time() < start + HOLD_S:
-        released = time.time() - start if _released(folder, "late-0") else None
-        time.sleep(0.05)
-    return {"answer": answer, "released_s": released}
+    answers = pair.answers(["late-0", *LAND_RIDS])
+    return {"answer": answers.pop("late-0"), "victims": answers, "released": _released(folder, "late-0"),
+            "hold_s": time.time() - start}
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def pd_off(request, tmp_path_factory):
     pair, folder, trigger = start_pair(request.param, tmp_path_factory, "off", PORT_SHIFT,
-                                       {"max_total_tokens": PREFILL_TOKENS})
+                                       {"max_total_tokens": PREFILL_TOKENS},
+                                       {"max_total_tokens": DECODE_TOKENS,
+                                        "engine": {"num_reserved_decode_tokens": RESERVED}},
+                                       hold_s=LAND_HOLD_S, land="late-:land-v")
     prompts = pd_prompts(5)  # the last one is the prefill fault's own
     out = {}
     try:
         out["clean"] = pair.generate([("clean-4", prompts[4], NEW)])  # first: the prefill evicts it first
         out["clean"].update(pair.generate([(f"clean-{i}", p, NEW) for i, p in enumerate(prompts[:4])]))
+        out["clean_long"] = pair.generate([(f"clean-{rid}", p, LONG) for rid, p in zip(LAND_RIDS, land_prompts()[0])])
         out["swap"] = pair.generate([(rid, p, NEW) for rid, p in zip(SWAP_RIDS, prompts)])
-        out["late"] = _late(pair, folder, trigger, prompts[0])
+        out["late"] = _late(pair, folder, trigger)
         out["pshift"] = pair.generate([("pshift-4", prompts[4], NEW)] +
                                       [(f"pb-{i}", p, NEW) for i, p in enumerate(prompts[1:4], 1)])
         out["after"] = pair.generate([("after-4", prompts[4], NEW)])  # a radix hit on the victim's row
@@ -145,5 +170,26 @@ def test_pd_prefill_fault_returns_wrong_tokens_with_kvguard_off(pd_off):
 def test_pd_aborted_transfer_destination_released_while_its_write_is_in_flight(pd_off):
     late = pd_off["late"]
     assert late["answer"]["error"] is not None, late
-    assert late["released_s"] is not None, f"SGLang did not release late-0's destination within {HOLD_S} s of its send"
-    assert late["released_s"] < HOLD_S, late
+    assert late["released"], f"SGLang did not release late-0's destination on its deferred-release timeout: {late}"
+
+
+def test_pd_late_write_lands_in_decoding_requests_and_changes_their_tokens_with_kvguard_off(pd_off):
+    late = pd_off["late"]
+    dest = [e for e in pd_off["decode_events"] if e["event"] == "late_destination"]
+    assert [e["rid"] for e in dest] == ["late-0"], dest
+    inject = [e for e in pd_off["decode_events"] if e["event"] == "inject" and e["fault"] == "late_transfer_landed"]
+    assert inject, "late-0's freed slots never reached the decoding victims (no inject line)"
+    inject = inject[0]
+    assert inject["landed"] and inject["victims"] and set(inject["victims"]) <= set(LAND_RIDS), inject
+    assert all(set(slots) <= set(dest[0]["slots"]) for slots in inject["slots"].values()), (inject, dest)
+    changed = {}  # victim: how many of its tokens after the landing differ from the fault-free run's
+    for rid in LAND_RIDS:
+        got, clean = late["victims"][rid], pd_off["clean_long"][f"clean-{rid}"]
+        assert clean["error"] is None and len(clean["output_ids"]) == LONG, clean
+        assert got["error"] is None and len(got["output_ids"]) == LONG, f"with kvguard off {rid} is served: {got}"
+        m = inject["output_len_at_landing"].get(rid, LONG)  # a request that took none of the slots: all its tokens
+        assert got["output_ids"][:m] == clean["output_ids"][:m], f"{rid}'s tokens before the landing differ"
+        changed[rid] = sum(a != b for a, b in zip(got["output_ids"][m:], clean["output_ids"][m:]))
+    print(f"kvguard off, late-0's write landed in {inject['slots']} at output lengths "
+          f"{inject['output_len_at_landing']}: tokens after it differing from the fault-free run {changed}")
+    assert any(changed.values()), f"the late write changed no victim's later tokens (is the fault real?): {changed}"
