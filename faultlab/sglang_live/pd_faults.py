@@ -124,8 +124,9 @@ class _LateLanding:
             from .runtime import log
 
             self.dest = result.detach().to("cpu", copy=True)
-            self.dest_set = set(self.dest.tolist())
-            log("late_destination", rid=str(req.rid), slots=self.dest.tolist())
+            slots = self.dest.tolist()
+            self.dest_set = set(slots)
+            log("late_destination", rid=str(req.rid), slots=slots)
         return None
 
     def after_prepare_for_decode(self, result, batch, *args, **kwargs):
