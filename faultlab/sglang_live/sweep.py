@@ -67,15 +67,15 @@ def summarize(configs: dict) -> dict:
                                                                for p in v) for _, v in verdicts)}
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds`` N or N-M (N <= M); else :class:`UsageError` naming the flag."""
     try:
         lo, _, hi = text.partition("-")
         seeds = list(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         seeds = []
     if not seeds:
-        print(f"--seeds: {text!r} is not N or N-M with N <= M", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(f"--seeds {text!r} is not valid; give N or N-M with N <= M")
     return seeds
 
 
@@ -90,9 +90,9 @@ def main(argv=None) -> int:
                     help="SGLang retracts decode requests every few steps (SGLANG_TEST_RETRACT=1), as with a full KV pool")
     ap.add_argument("--out", required=True, help="raw JSON results")
     args = ap.parse_args(argv)
-    seeds = _seeds(args.seeds)
     configs = [c for c in CONFIGS if not args.config or c[0] in args.config]
     try:  # before any engine starts; the folder must exist (nothing here creates it)
+        seeds = parse_seeds(args.seeds)
         check_output_file("--out", args.out, make_folder=False)
     except UsageError as err:
         print(f"sweep: error: {err}", file=sys.stderr)

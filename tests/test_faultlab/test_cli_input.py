@@ -219,7 +219,7 @@ def no_work(monkeypatch):
     import faultlab.gpu.bench as gpubench
     import faultlab.chaos.soak as soak
     from faultlab.sglang_gpu import cli as gpu_cli
-    from faultlab.sglang_live import sweep
+    from faultlab.sglang_live import pd_sweep, sweep
 
     def work(*args, **kwargs):
         raise AssertionError("a bad output path reached the work")
@@ -230,7 +230,9 @@ def no_work(monkeypatch):
         monkeypatch.setattr(module, name, work)
     monkeypatch.setattr(evalkv, "eval_kv", functools.wraps(evalkv.eval_kv)(work))  # its signature is read
     monkeypatch.setattr(sweep, "tempfile", SimpleNamespace(mkdtemp=work))  # the sweep's first write
-    return {"faultlab": main, "sweep": sweep.main, "sglang_gpu": gpu_cli.main}
+    monkeypatch.setattr(pd_sweep, "tempfile", SimpleNamespace(mkdtemp=work))
+    monkeypatch.setattr(pd_sweep, "run_pair", work)
+    return {"faultlab": main, "sweep": sweep.main, "pd_sweep": pd_sweep.main, "sglang_gpu": gpu_cli.main}
 
 
 def bad_paths(tmp_path, kind: str, suffix: str = ".json") -> list[str]:
@@ -271,6 +273,7 @@ OUTPUTS = [
     ("faultlab", ["demo", "--out", "{bad}"], "--out", "folder", ""),
     ("faultlab", ["bench", "--out", "{bad}", "--dry-run"], "--out", "folder", ""),
     ("sweep", ["--out", "{bad}"], "--out", "file", ".json"),
+    ("pd_sweep", ["--out", "{bad}"], "--out", "file", ".json"),
     ("sglang_gpu", ["overhead", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
     ("sglang_gpu", ["extras", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
     ("sglang_gpu", ["faults", "--out", "{bad}", "--cpu"], "--out", "folder", ""),
@@ -293,6 +296,17 @@ def test_every_output_option_is_refused_before_any_work(program, argv, flag, kin
         args = [a.format(bad=bad, tiny=tiny, tmp=tmp_path) for a in argv]
         err = refused(capsys, tmp_path, no_work[program], args, flag)
         assert repr(bad) in err, (bad, err)
+
+
+@pytest.mark.parametrize("program, argv, flag", [
+    ("sweep", ["--seeds", "3-1"], "--seeds"), ("pd_sweep", ["--seeds", "x"], "--seeds"),
+    ("pd_sweep", ["--backends", "mooncake,mori"], "--backends"), ("pd_sweep", ["--backends", ","], "--backends"),
+    ("pd_sweep", ["--port", "80"], "--port"), ("pd_sweep", ["--port", "59000"], "--port")])
+def test_sweeps_refuse_bad_seeds_backends_and_ports_before_any_work(program, argv, flag, no_work, tmp_path, capsys):
+    code = no_work[program](argv + ["--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and flag in err, (code, err)
+    assert list(tmp_path.iterdir()) == [], "bad input must write nothing"
 
 
 @PROC

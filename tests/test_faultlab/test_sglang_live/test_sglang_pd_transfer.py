@@ -31,7 +31,8 @@ import os
 import time
 
 import pytest
-from pd_transfer_pair import BACKENDS, HOLD_S, NEW, SWAP_RIDS, pd_prompts, start_pair
+
+from faultlab.sglang_live.pd_sweep import BACKENDS, HOLD_S, NEW, SWAP_RIDS, fault_envs, pd_prompts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
@@ -43,7 +44,13 @@ SOAKS = int(os.environ.get("FAULTLAB_PD_TRANSFER_SOAK", "0"))  # rounds of 4 req
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def pd(request, tmp_path_factory):
-    pair, folder, trigger = start_pair(request.param, tmp_path_factory, "check")
+    from faultlab.sglang_live.pd_pair import Pair
+
+    module, port, engine = BACKENDS[request.param]
+    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
+    folder = str(tmp_path_factory.mktemp(f"pd_check_{request.param}"))
+    trigger = os.path.join(folder, "hold-next-send")
+    pair = Pair(folder, *fault_envs("check", trigger), base_port=port, engine=engine)
     prompts = pd_prompts(5)  # the last one is the prefill fault's own (a prompt seen before is a radix hit there)
     out = {}
     try:

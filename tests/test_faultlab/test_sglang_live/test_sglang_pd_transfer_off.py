@@ -4,7 +4,8 @@ A comparison, not a kvguard expectation. kvguard's path registry (kvguard/sglang
 test_sglang_pd_transfer.py as the evidence that ``pd_decode_mooncake``, ``pd_prefill_mooncake``, ``pd_decode_nixl``
 and ``pd_prefill_nixl`` are checked; a fault caught there proves something only if, left alone, it harms a client.
 This file shows that it does: per backend, one prefill and one decode ``sglang.Engine``
-(faultlab/sglang_live/pd_pair.py) as there, both ``KVGUARD_MODE=off``, the same fault settings (pd_transfer_pair.py).
+(faultlab/sglang_live/pd_pair.py) as there, both ``KVGUARD_MODE=off``, the same fault settings: one pair of the PD
+sweep (faultlab/sglang_live/pd_sweep.py, :func:`run_pair`, its fixed prompts), whose episodes are run here.
 It runs in a pytest-xdist worker of its own beside that file (``--dist loadfile``), on ports of its own. Shown:
 
 - ``swapped_entries`` on the decode server: its victims (the injector's ``inject`` line, ground truth) get all their
@@ -20,12 +21,13 @@ It runs in a pytest-xdist worker of its own beside that file (``--dist loadfile`
 
 What differs from the checked pair, all for the prefill fault's fault-free reference: that prompt's reference runs
 first (a prompt the prefill has seen is a radix hit there, and the shift strikes only at an extended position); the
-prefill's pool is PREFILL_TOKENS, so that the reference, the least recently used entry, leaves its radix cache before
-the fault's episode; and that episode is the last, since with kvguard off the victim's row (one slot twice, its own
-slot lost) stays in the prefill's radix cache, and evicting it would free the doubled slot twice. And, for the late
-write: the decode server's pool is DECODE_TOKENS with SGLang's decode reservation cut to RESERVED, so that the four
-victims of LONG new tokens need the aborted transfer's slots (SGLang admits a new request only while each running
-one's remaining need still fits, so one victim alone would never run the free list dry).
+prefill's pool is pd_sweep's PREFILL_TOKENS, so that the reference, the least recently used entry, leaves its radix
+cache before the fault's episode; and that episode is the last, since with kvguard off the victim's row (one slot
+twice, its own slot lost) stays in the prefill's radix cache, and evicting it would free the doubled slot twice.
+And, for the late write: the decode server's pool is pd_sweep's DECODE_TOKENS with SGLang's decode reservation cut
+to RESERVED, so that the four victims of LONG new tokens need the aborted transfer's slots (SGLang admits a new
+request only while each running one's remaining need still fits, so one victim alone would never run the free list
+dry).
 (SGLANG_RADIX_FORCE_MISS does not help: a reference run after the fault is recomputed, but SGLang points its row at
 the cached, shifted slots before its send, and its client gets the victim's tokens.)
 
@@ -41,85 +43,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
-import time
 
 import pytest
-from pd_transfer_pair import BACKENDS, NEW, SWAP_RIDS, pd_prompts, start_pair
 
-from faultlab.sglang_live.pd_pair import Pair
+from faultlab.sglang_live.pd_sweep import BACKENDS, LAND_RIDS, LONG, NEW, SWAP_RIDS, judge, run_pair, served_wrong
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
 PORT_SHIFT = 10000  # the checked module's pair may run at the same time
-PREFILL_TOKENS = 128  # < the 150 tokens of the five prompts: the least recently used prompt is evicted
-DECODE_TOKENS, RESERVED = 320, 8  # the decode pool, and SGLang's decode reservation per request (512 by default)
-LAND_RIDS, LONG = [f"land-v{i}" for i in range(4)], 55  # the late write's victims: 4 x (24 + LONG) = the pool - 4
-LAND_HOLD_S = 60.0  # late-0's send waits at most this long for the victims to take its freed slots
-
-
-def _released(folder: str, rid: str) -> bool:
-    """Whether the decode server logged SGLang's timeout release of ``rid``'s transfer destination."""
-    with open(os.path.join(folder, "decode.stderr")) as f:
-        log = f.read()
-    room = re.search(rf"rid='{rid}' decode_req\.req\.bootstrap_room=(\d+)", log)
-    return bool(room) and f"Deferred KV release for room {room.group(1)} timed out" in log
-
-
-def land_prompts() -> tuple[list[list[int]], list[int]]:
-    """The victims' prompts (24 tokens each) and late-0's (64: its destination is what the victims take last)."""
-    rng = random.Random(11)
-    return [[rng.randrange(3, 1000) for _ in range(24)] for _ in LAND_RIDS], [rng.randrange(3, 1000) for _ in range(64)]
-
-
-def _late(pair: Pair, folder: str, trigger: str) -> dict:
-    """The victims decoding, late-0's send held, late-0 aborted on the decode server: the answers, and whether SGLang
-    released late-0's destination on its deferred-release timeout (before the write landed: the decode server's
-    injector lets it land only in slots freed and handed on)."""
-    victims, late = land_prompts()
-    for rid, prompt in zip(LAND_RIDS, victims):
-        pair.send((rid, prompt, LONG))
-    t0 = time.time()
-    while len({e["rid"] for e in pair.decode.events() if e["event"] == "victim_decoding"}) < len(LAND_RIDS):
-        assert time.time() - t0 < 120, "the victims never all decoded"  # their KV landed: the trigger holds
-        time.sleep(0.02)  # late-0's send, not theirs
-    open(trigger, "w").close()
-    sent = time.time()
-    pair.send(("late-0", late, NEW))
-    while os.path.exists(trigger):
-        assert time.time() - sent < 120, "late-0's KV send never started"
-        time.sleep(0.05)
-    time.sleep(0.5)
-    pair.decode.send({"op": "abort", "rid": "late-0"})
-    answers = pair.answers(["late-0", *LAND_RIDS])
-    return {"answer": answers.pop("late-0"), "victims": answers, "released": _released(folder, "late-0")}
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def pd_off(request, tmp_path_factory):
-    pair, folder, trigger = start_pair(request.param, tmp_path_factory, "off", PORT_SHIFT,
-                                       {"max_total_tokens": PREFILL_TOKENS},
-                                       {"max_total_tokens": DECODE_TOKENS,
-                                        "engine": {"num_reserved_decode_tokens": RESERVED}},
-                                       hold_s=LAND_HOLD_S, land="late-:land-v")
-    prompts = pd_prompts(5)  # the last one is the prefill fault's own
-    out = {}
-    try:
-        out["clean"] = pair.generate([("clean-4", prompts[4], NEW)])  # first: the prefill evicts it first
-        out["clean"].update(pair.generate([(f"clean-{i}", p, NEW) for i, p in enumerate(prompts[:4])]))
-        out["clean_long"] = pair.generate([(f"clean-{rid}", p, LONG) for rid, p in zip(LAND_RIDS, land_prompts()[0])])
-        out["swap"] = pair.generate([(rid, p, NEW) for rid, p in zip(SWAP_RIDS, prompts)])
-        out["late"] = _late(pair, folder, trigger)
-        out["pshift"] = pair.generate([("pshift-4", prompts[4], NEW)] +
-                                      [(f"pb-{i}", p, NEW) for i, p in enumerate(prompts[1:4], 1)])
-        out["after"] = pair.generate([("after-4", prompts[4], NEW)])  # a radix hit on the victim's row
-    finally:
-        out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
-        out["prefill_answers"] = pair.prefill_answers()
-        pair.close()
-        with open(os.path.join(folder, "out.json"), "w") as f:
-            json.dump(out, f)
+    module, port, _ = BACKENDS[request.param]
+    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
+    folder = str(tmp_path_factory.mktemp(f"pd_off_{request.param}"))
+    out = run_pair(request.param, "off", folder, port=port + PORT_SHIFT)
+    with open(os.path.join(folder, "out.json"), "w") as f:
+        json.dump(out, f)
     return out
 
 
@@ -191,3 +132,17 @@ def test_pd_late_write_lands_in_decoding_requests_and_changes_their_tokens_with_
     print(f"kvguard off, late-0's write landed in {inject['slots']} at output lengths "
           f"{inject['output_len_at_landing']}: tokens after it differing from the fault-free run {changed}")
     assert any(changed.values()), f"the late write changed no victim's later tokens (is the fault real?): {changed}"
+
+
+def test_the_pd_sweeps_judge_finds_every_fault_with_kvguard_off(pd_off):
+    """The PD sweep's verdicts on this pair (kvguard off): no fault episode is exact, and the clients that got wrong
+    tokens without an error include the prefill fault's victim and the fault-free request after it."""
+    verdicts = judge(pd_off)
+    assert verdicts["clean"] == [], verdicts
+    assert any(p.startswith("errors [] != victims") for p in verdicts["swapped_entries"]), verdicts
+    assert any("released late-0's destination on its timeout" in p for p in verdicts["late_transfer_landed"]), verdicts
+    assert any(p.startswith("errors [] != victims ['pshift-4']") for p in verdicts["prefill_index_shift"]), verdicts
+    assert any("after-4" in p for p in verdicts["after"]), verdicts
+    wrong = served_wrong(pd_off)
+    assert {"pshift-4", "after-4"} <= set(wrong), wrong
+    assert set(wrong) & set(LAND_RIDS), wrong
