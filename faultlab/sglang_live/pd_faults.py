@@ -27,6 +27,13 @@ Installed by faultlab's SGLang plugin (:func:`faultlab.sglang_live.inject.regist
     whose rid starts with the prefix gets the entry of its first extended position pointed at the slot of the
     next one, once. Its prefill then reads position p+1's K/V at p, and its send ships that slot at p: the
     decode server computes from a wrong prompt KV. Victim: that request (``inject`` line, ``victims``).
+``FAULTLAB_SGLANG_PD_PREFILL_FREE=<trigger path>:<victim rid prefix>:<reuser rid prefix>``
+    ``prefill_freed_mid_send`` on the prefill server (a prefill without a radix cache: the victim's pages are its own).
+    AROUND ``_send_kv_chunk``: right after SGLang queued the victim's last chunk (its send held by
+    ``FAULTLAB_SGLANG_PD_SLOW_SEND``), the page of its last prompt position is freed to the head of the allocator's
+    free list, once, while its row still names it; the next request's prefill takes it and writes its own K/V there.
+    When a reuser's chunk is queued (its forward ran), ``<trigger path>.go`` lets the held send read the victim's pages.
+    ``inject`` line: the victim, its page; ``reuser_took``: whether the reuser's row holds that page.
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ import os
 import time
 
 SLOW_ENV, SHIFT_ENV = "FAULTLAB_SGLANG_PD_SLOW_SEND", "FAULTLAB_SGLANG_PD_PREFILL_SHIFT"
-LAND_ENV = "FAULTLAB_SGLANG_PD_LATE_LAND"
-ENVS = (SLOW_ENV, SHIFT_ENV, LAND_ENV)
+LAND_ENV, FREE_ENV = "FAULTLAB_SGLANG_PD_LATE_LAND", "FAULTLAB_SGLANG_PD_PREFILL_FREE"
+ENVS = (SLOW_ENV, SHIFT_ENV, LAND_ENV, FREE_ENV)
+SEND_CHUNK = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
 PREALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"
 DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 PACE_S, GO_HITS, LAND_WAIT_S = 0.25, 4, 60.0
@@ -53,6 +61,8 @@ def install(env) -> None:
             HookRegistry.register(send, hook, HookType.AROUND)
     if env.get(SHIFT_ENV):
         HookRegistry.register(EXTEND, _prefill_shift(env[SHIFT_ENV]), HookType.AFTER)
+    if env.get(FREE_ENV):
+        HookRegistry.register(SEND_CHUNK, _PrefillFree(*env[FREE_ENV].rsplit(":", 2)).around_send, HookType.AROUND)
     if env.get(LAND_ENV):
         land = _LateLanding(*env[LAND_ENV].rsplit(":", 2))
         HookRegistry.register(PREALLOC, land.after_pre_alloc, HookType.AFTER)
@@ -173,3 +183,36 @@ class _LateLanding:
         at = {str(r.rid): len(r.output_ids) for r in batch.reqs if str(r.rid) in self.hits}
         log("inject", fault="late_transfer_landed", victims=sorted(self.hits), slots=self.hits, landed=landed,
             output_len_at_landing=at)
+
+
+class _PrefillFree:
+    """The prefill side of ``FAULTLAB_SGLANG_PD_PREFILL_FREE`` (module docstring)."""
+
+    def __init__(self, trigger: str, victim: str, reuser: str):
+        self.trigger, self.victim, self.reuser = trigger, victim, reuser
+        self.page: int | None = None
+
+    def around_send(self, original, scheduler, req, *args, **kwargs):
+        import torch
+
+        from .runtime import log
+
+        rid, table = str(req.rid), scheduler.req_to_token_pool.req_to_token
+        allocator = scheduler.token_to_kv_pool_allocator
+        ps, row = int(allocator.page_size), req.kv.req_pool_idx
+        end = min(int(req.extend_end), len(req.origin_input_ids))
+        if self.page is not None and rid.startswith(self.reuser) and row is not None:
+            took = self.page in set((table[int(row), :end].long() // ps).tolist())
+            log("reuser_took", rid=rid, page=self.page, took=took)
+            open(self.trigger + ".go", "w").close()
+        out = original(scheduler, req, *args, **kwargs)
+        if self.page is None and rid.startswith(self.victim) and row is not None and end > 0:
+            self.page = int(table[int(row), end - 1]) // ps
+            allocator.free(torch.arange(self.page * ps, self.page * ps + ps, device=table.device))
+            if getattr(allocator, "need_sort", False):  # SGLang stages frees until its free list runs dry
+                allocator.merge_and_sort_free()
+            free = allocator.free_pages  # page ids (slot ids at page size 1): the freed one first
+            allocator.free_pages = torch.cat((free[free == self.page], free[free != self.page]))
+            log("inject", fault="prefill_freed_mid_send", label=self.victim, victims=[rid], row=int(row),
+                position=end - 1, page=self.page)
+        return out

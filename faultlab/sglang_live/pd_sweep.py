@@ -22,13 +22,18 @@ the decode server's injector plan). Episodes, in this order, on the seed's own p
     ran in ``clean`` and left the prefill's radix cache (its pool is PREFILL_TOKENS), so the fault strikes.
 ``after``
     a fault-free request with the shifted prompt (a radix hit on the prefill: the victim's row, if it was kept).
+``prefill_freed_mid_send``
+    on a second pair (its prefill without a radix cache, so a request's pages are its own; :func:`run_prefill_free`):
+    a request's send held, one of its pages freed to the head of the prefill's free list, the next request's prefill
+    taking it and writing its own K/V there, then the send let go: it reads the reuser's K/V as the victim's.
 
 An episode is *exact* when exactly the injector's victims got an error, every other request's tokens equal the
 references, SGLang never released ``late-0``'s destination on its timeout, the ``after`` request got the fault-free
-tokens, and both servers' idle accounting is balanced at the end. Prints one line per pair, writes every episode's
-answers and verdicts to ``--out`` (written once, at the end). Exit 1 when an episode is not exact, a pair failed, or
-no backend could run; 2 for bad arguments (nothing written). tests/test_faultlab/test_sglang_live/
-test_sglang_pd_transfer_off.py runs one pair of this with kvguard off in CI (:func:`run_pair`).
+tokens, and both servers' idle accounting is balanced at the end (of each pair). Prints one line per pair, writes
+every episode's answers and verdicts to ``--out`` (written once, at the end). Exit 1 when an episode is not exact, a
+pair failed, or no backend could run; 2 for bad arguments (nothing written).
+tests/test_faultlab/test_sglang_live/test_sglang_pd_transfer_off.py runs both pairs of this with kvguard off in CI
+(:func:`run_pair`, :func:`run_prefill_free`), test_sglang_pd_transfer.py the second with kvguard on.
 """
 from __future__ import annotations
 
@@ -122,6 +127,13 @@ def late_land(pair, folder: str, trigger: str, seed: int = 11) -> dict:
     return {"answer": answers.pop("late-0"), "victims": answers, "released": released(folder, "late-0")}
 
 
+def close_pair(pair, out: dict) -> None:
+    """Both servers' event logs and the prefill's answers into ``out``; then the pair closed."""
+    out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
+    out["prefill_answers"] = pair.prefill_answers()
+    pair.close()
+
+
 def run_pair(backend: str, mode: str, folder: str, seed: int | None = None, port: int | None = None) -> dict:
     """One pair on ``backend``, every episode (module docstring) on seed ``seed``'s prompts (None: the tests' fixed
     ones), the pair closed after: what the clients and both servers' logs said."""
@@ -150,10 +162,59 @@ def run_pair(backend: str, mode: str, folder: str, seed: int | None = None, port
         time.sleep(1.0)
         out["idle"] = pair.idle_checks(time.time())
     finally:
-        out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
-        out["prefill_answers"] = pair.prefill_answers()
-        pair.close()
+        close_pair(pair, out)
     return out
+
+
+def run_prefill_free(backend: str, mode: str, folder: str, seed: int | None = None, port: int | None = None) -> dict:
+    """``prefill_freed_mid_send`` on a pair of its own (a prefill without a radix cache, so the victim's pages are its
+    own): fault-free references, then the victim's send held, a page of it freed, a reuser's prefill taking it, the
+    send let go. What the clients and both servers' logs said."""
+    from .pd_pair import Pair
+
+    _, base, engine = BACKENDS[backend]
+    trigger = os.path.join(folder, "hold-next-send")
+    prefill = {"KVGUARD_MODE": mode, "FAULTLAB_SGLANG_PD_SLOW_SEND": f"{trigger}:{LAND_HOLD_S}",
+               "FAULTLAB_SGLANG_PD_PREFILL_FREE": f"{trigger}:pfree-v:pfree-r"}
+    pair = Pair(folder, prefill, {"KVGUARD_MODE": mode}, base_port=(base if port is None else port) + 25,
+                engine=engine, prefill_spec={"engine": {"disable_radix_cache": True}})
+    victim, reuser = pd_prompts(2, 3000 + (seed or 0))
+    out = {}
+    try:
+        out["refs"] = pair.generate([("ref-v", victim, NEW), ("ref-r", reuser, NEW)])
+        open(trigger, "w").close()
+        sent = time.time()
+        pair.send(("pfree-v", victim, NEW))
+        while os.path.exists(trigger):  # the prefill's worker took the victim's send: it is held
+            if time.time() - sent > 120:
+                raise TimeoutError("pfree-v's KV send never started")
+            time.sleep(0.05)
+        pair.send(("pfree-r", reuser, NEW))
+        out["answers"] = pair.answers(["pfree-v", "pfree-r"])
+        time.sleep(1.0)
+        out["idle"] = pair.idle_checks(time.time())
+    finally:
+        close_pair(pair, out)
+    return out
+
+
+def judge_prefill_free(out: dict) -> list[str]:
+    """What is wrong with the ``prefill_freed_mid_send`` episode (empty: exact)."""
+    if "answers" not in out:
+        return ["not run"]
+    struck = _injected(out.get("prefill_events", []), fault="prefill_freed_mid_send")
+    took = [e["took"] for e in out.get("prefill_events", []) if e["event"] == "reuser_took"]
+    if [e["victims"] for e in struck] != [["pfree-v"]] or took[:1] != [True]:
+        return [f"the fault did not strike as planned: inject {struck}, reuser took the page {took}"]
+    problems = []
+    victim, reuser = out["answers"]["pfree-v"], out["answers"]["pfree-r"]
+    if victim["error"] is None:
+        problems.append("errors [] != victims ['pfree-v']" + (
+            "" if victim["output_ids"] == out["refs"]["ref-v"]["output_ids"] else " (served wrong tokens)"))
+    if not _served_as(reuser, out["refs"]["ref-r"]):
+        problems.append(f"non-victims' tokens differ: ['pfree-r'] ({reuser['error']})")
+    return problems + [f"{role}'s accounting: {(c or {}).get('messages', 'no idle check')}"
+                       for role, c in (out.get("idle") or {"pair": None}).items() if not (c or {}).get("balanced")]
 
 
 def _injected(events: list[dict], **match) -> list[dict]:
@@ -261,6 +322,8 @@ def main(argv=None) -> int:
             os.makedirs(folder)
             try:
                 out = run_pair(backend, args.mode, folder, seed, args.port + 50 * k)
+                os.makedirs(folder + "-free")
+                out["prefill_free"] = run_prefill_free(backend, args.mode, folder + "-free", seed, args.port + 50 * k)
             except Exception as err:  # noqa: BLE001 (an engine that died: recorded, the next pair runs)
                 report["failed"].append({"backend": backend, "seed": seed, "error": f"{type(err).__name__}: {err}",
                                          "folder": folder})
@@ -269,6 +332,11 @@ def main(argv=None) -> int:
                 continue
             k += 1
             out["verdicts"], out["served_wrong"] = judge(out), served_wrong(out)
+            out["verdicts"]["prefill_freed_mid_send"] = judge_prefill_free(out["prefill_free"])
+            answers = out["prefill_free"]["answers"]
+            out["served_wrong"] += [rid for rid, ref in (("pfree-v", "ref-v"), ("pfree-r", "ref-r"))
+                                    if answers[rid]["error"] is None
+                                    and answers[rid]["output_ids"] != out["prefill_free"]["refs"][ref]["output_ids"]]
             out["seconds"] = round(time.time() - t0, 1)
             wrong = {label: p for label, p in out["verdicts"].items() if p}
             bad += len(wrong)

@@ -20,6 +20,11 @@ target (``sglang.srt.disaggregation.``)                                type    w
                                                                                its transfer may still write
 ``prefill.SchedulerDisaggregationPrefillMixin.``                       AROUND  read the extend check's verdict
 ``process_batch_result_disagg_prefill``                                        before anything is sent
+``prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk``         AROUND  PD prefill: the tags of the
+                                                                               pages a send will read
+``common.conn.CommonKVManager.conclude_transfer``                      AROUND  PD prefill: a room whose pages
+                                                                               changed hands before its reads
+                                                                               ended concludes Failed
 =====================================================================  ======  ===============================
 
 NOTE (the equivalent of a transfer tag written by the prefill side, and why it is one). The issue's design has
@@ -36,6 +41,20 @@ drain, or until ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` pas
 that a remote write has stopped" (SGLang's own comment). kvguard drops the timeout: the pages stay held until
 the drain ack, and a release of a destination whose transfer is neither committed nor drained stops the
 scheduler (fail closed) instead of handing the pages out.
+
+NOTE (a prefill page freed while its send reads it). The prefill's transfer worker reads a request's pages after
+the scheduler queued the chunk, on its own thread; nothing checks the request again (it is in no batch). A page
+freed meanwhile (a bookkeeping bug: a premature or double free) goes to the next extend, whose KV the send then
+ships as the request's. kvguard takes the tags of the request's pages when SGLang queues its send
+(``_send_kv_chunk``, on the scheduler thread: a device gather, no sync) and compares them when the backend concludes
+the room (``conclude_transfer``, on the transfer thread, after every read of it ended: Mooncake's writes returned,
+NIXL's handles read DONE). Tags change on every free and allocation, so a page that changed hands before its read
+ended carries another tag: the room concludes ``Failed`` instead of ``Success`` (the decode side never commits it;
+SGLang fails it on both sides and the clients see the error), and the request is released as one kvguard aborted
+(only the pages it still holds go back). On a GPU the comparison first waits for the device, so a free queued
+before the conclusion has bumped its tags (the transfer thread waits, not the scheduler). Shown with the prefill's
+radix cache off (faultlab's ``prefill_freed_mid_send``): with it on, the request's pages are the tree's by then, and
+a tree page freed under the tree is the radix path's concern (kvguard.sglang.radix).
 
 Only this subpackage imports SGLang, and only inside functions.
 """
@@ -166,6 +185,57 @@ def around_prefill_result(original, scheduler, batch, result, *args, **kwargs):
     return original(scheduler, batch, result, *args, **kwargs)
 
 
+_SENDING: dict = {}  # bootstrap room -> (guard, req, pages, their tags when the send was queued): PD prefill
+
+
+def around_send_kv_chunk(original, scheduler, req, *args, **kwargs):
+    """PD prefill: the tags of every page of ``req``'s row up to what this send reads, taken as SGLang queues it."""
+    guard = guard_of(scheduler)
+    row = req.kv.req_pool_idx
+    if guard is not None and row is not None and req.bootstrap_room is not None:
+        end = min(int(req.extend_end), len(req.origin_input_ids))
+        if end > 0:
+            pages = guard.req_to_token_pool.req_to_token[int(row), :end].long() // int(guard.page_size)
+            if len(_SENDING) > 1024:  # rooms that never concluded (cleared first): their requests are released
+                for stale in [r for r, v in list(_SENDING.items()) if v[1].kv.req_pool_idx is None]:
+                    _SENDING.pop(stale, None)
+            _SENDING[int(req.bootstrap_room)] = (guard, req, pages, guard.tracker.current_tags(pages).clone())
+    return original(scheduler, req, *args, **kwargs)
+
+
+def around_conclude_transfer(original, manager, *args, **kwargs):
+    """PD prefill: a room concludes ``Success`` only if none of its pages changed hands while its reads ran."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    room = kwargs.get("bootstrap_room")
+    sent = _SENDING.pop(int(room), None) if room is not None else None
+    if sent is None or kwargs.get("status") != KVPoll.Success:
+        return original(manager, *args, **kwargs)
+    guard, req, pages, tags = sent
+    if pages.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(pages.device)  # every free queued so far has bumped its pages' tags
+    now = guard.tracker.current_tags(pages)
+    moved = (now != tags).nonzero().flatten()
+    if moved.numel():
+        from ..violations import Violation
+        from .aborts import mark_aborted
+
+        at = int(moved[0])
+        page, row = int(pages[at]), req.kv.req_pool_idx
+        message = (f"kvguard: request {req.rid} aborted: KV page {page} (position {at}) changed hands while its "
+                   f"transfer (room {room}) read it (expected tag {int(tags[at])}, found tag {int(now[at])})")
+        log.error(message)
+        guard.tracker.report(Violation(request_id=str(req.rid), row=-1 if row is None else int(row),
+                                       logical_position=at, page=page, expected_tag=int(tags[at]),
+                                       found_tag=int(now[at]), reason="tag_mismatch", bad_entries=int(moved.numel())))
+        mark_aborted(req)  # released as kvguard's aborts are: only the pages it still holds go back
+        guard.tracker.note_aborted(1)
+        kwargs.update(status=KVPoll.Failed, failure_reason=message)
+    return original(manager, *args, **kwargs)
+
+
 HOOKS = {
     "pd_pre_alloc": (f"{_DISAGG}.decode.DecodePreallocQueue._pre_alloc", _around_pd_pre_alloc, "AROUND"),
     "pd_prealloc_queue_init": (f"{_DISAGG}.decode.DecodePreallocQueue.__init__", after_prealloc_queue_init, "AFTER"),
@@ -174,4 +244,8 @@ HOOKS = {
     "pd_release_request": (f"{_QUEUE}._release_request", around_release_request, "AROUND"),
     "pd_prefill_result": (f"{_DISAGG}.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
                           around_prefill_result, "AROUND"),
+    "pd_prefill_send": (f"{_DISAGG}.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk", around_send_kv_chunk,
+                        "AROUND"),
+    "pd_prefill_conclude": (f"{_DISAGG}.common.conn.CommonKVManager.conclude_transfer", around_conclude_transfer,
+                            "AROUND"),
 }

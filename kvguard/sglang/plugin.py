@@ -61,8 +61,9 @@ target                                                             type    in   
 ``update_mamba_state_after_mtp_verify``                                    spec     destination state slot must be its
                                                                                     request's own (else the dummy slot,
                                                                                     the request flagged)
-``disaggregation.`` (four more targets)                            both    pd       PD on a real transfer backend:
-                                                                                    the transfer's ticket and release
+``disaggregation.`` (six more targets)                             both    pd       PD on a real transfer backend:
+                                                                                    the transfer's ticket and release;
+                                                                                    the prefill send's page tags
 ``mem_cache.common.backup_kv_cache``, ``restore_kv_cache``,        AROUND  pd_      PD decode's retraction backup: the
 ``managers.schedule_batch.ScheduleBatch.retract_decode``                   backup   row checked before the copy out and
                                                                                     before the restore writes through it

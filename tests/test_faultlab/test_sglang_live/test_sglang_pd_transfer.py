@@ -19,9 +19,12 @@ a room not failed; an aborted room's ack is sent once its transfer worker draine
 Episodes, in order: fault-free; ``prefill_index_shift`` on the prefill server; ``swapped_entries`` on the decode
 server (the injector's victims are ground truth); a transfer aborted on the decode server while the prefill holds
 its send (the write lands after the abort) with three requests sent just before it (on an idle machine they finish
-within ~0.7 s, before the abort: what this episode always shows is the destination held until the drain ack, SGLang's
-timeout release never running, and the pools balanced after the landing); fault-free again. A backend is
-skipped only where it cannot import (Mooncake: its wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
+within ~0.7 s, before the abort: what this episode always shows is the destination held until the drain ack,
+SGLang's timeout release never running, and the pools balanced after the landing); fault-free again. On a pair of
+its own per backend (the prefill without a radix cache): ``prefill_freed_mid_send``, a page of a request whose send
+is in flight freed and taken by the next prefill before the send reads it
+(faultlab.sglang_live.pd_sweep.run_prefill_free). A backend is skipped only where it cannot import (Mooncake: its
+wheel, or Debian's libibverbs1 librdmacm1 libnuma1, missing).
 The same pair and faults with kvguard off, what a client gets then: test_sglang_pd_transfer_off.py.
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ import time
 
 import pytest
 
-from faultlab.sglang_live.pd_sweep import BACKENDS, HOLD_S, NEW, SWAP_RIDS, fault_envs, pd_prompts
+from faultlab.sglang_live.pd_sweep import (BACKENDS, HOLD_S, NEW, SWAP_RIDS, close_pair, fault_envs, judge_prefill_free,
+                                          pd_prompts, run_prefill_free)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
@@ -88,9 +92,7 @@ def pd(request, tmp_path_factory):
             time.sleep(1.0)
             out["soak_idle"] = pair.idle_checks(time.time())
     finally:
-        out["decode_events"], out["prefill_events"] = pair.decode.events(), pair.prefill.events()
-        out["prefill_answers"] = pair.prefill_answers()
-        pair.close()
+        close_pair(pair, out)
         with open(os.path.join(folder, "out.json"), "w") as f:
             json.dump(out, f)
     with open(os.path.join(folder, "decode.stderr")) as f:
@@ -155,3 +157,25 @@ def test_pd_soak_serves_every_clean_request_unchanged(pd):
     print(f"soak: {after['decode']['decode_steps'] - steps} fault-free decode steps after the episodes "
           f"({after['decode']['decode_steps']} in all), 0 false aborts")
     assert after["decode"]["decode_steps"] - steps >= 1000
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def pfree(request, tmp_path_factory):
+    """``prefill_freed_mid_send`` (faultlab/sglang_live/pd_faults.py) on a pair of its own, kvguard on."""
+    module, port, _ = BACKENDS[request.param]
+    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
+    folder = str(tmp_path_factory.mktemp(f"pfree_check_{request.param}"))
+    out = run_prefill_free(request.param, "check", folder, port=port + 3000)
+    with open(os.path.join(folder, "prefill.stderr")) as f:
+        out["prefill_stderr"] = f.read()
+    return out
+
+
+def test_pd_prefill_page_freed_mid_send_fails_its_transfer(pfree):
+    """A page of a request whose send is in flight is freed and taken by the next prefill, which writes its own K/V
+    there before the send reads it: the room concludes Failed, so the victim's client gets an error (no token from
+    the reuser's K/V), the reuser gets its fault-free tokens, and both servers' accounting is balanced."""
+    assert judge_prefill_free(pfree) == [], judge_prefill_free(pfree)
+    assert "pfree-v aborted: KV page" in pfree["prefill_stderr"] and "changed hands while its transfer" in \
+        pfree["prefill_stderr"], "kvguard's conclusion check did not fail the room"
+    assert pfree["prefill_answers"]["pfree-v"]["error"] is not None, pfree["prefill_answers"]["pfree-v"]

@@ -46,7 +46,8 @@ import os
 
 import pytest
 
-from faultlab.sglang_live.pd_sweep import BACKENDS, LAND_RIDS, LONG, NEW, SWAP_RIDS, judge, run_pair, served_wrong
+from faultlab.sglang_live.pd_sweep import (BACKENDS, LAND_RIDS, LONG, NEW, SWAP_RIDS, judge, judge_prefill_free,
+                                          run_pair, run_prefill_free, served_wrong)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
@@ -146,3 +147,20 @@ def test_the_pd_sweeps_judge_finds_every_fault_with_kvguard_off(pd_off):
     wrong = served_wrong(pd_off)
     assert {"pshift-4", "after-4"} <= set(wrong), wrong
     assert set(wrong) & set(LAND_RIDS), wrong
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def pfree_off(request, tmp_path_factory):
+    module, port, _ = BACKENDS[request.param]
+    pytest.importorskip(module, reason=f"{request.param}'s transfer engine does not import here")
+    return run_prefill_free(request.param, "off", str(tmp_path_factory.mktemp(f"pfree_off_{request.param}")),
+                            port=port + PORT_SHIFT + 3000)
+
+
+def test_pd_prefill_page_freed_mid_send_serves_wrong_tokens_with_kvguard_off(pfree_off):
+    """The same fault as the checked module's, kvguard off: the victim's send reads the reuser's K/V and the decode
+    server serves the victim other tokens than the fault-free run's, without an error."""
+    problems = judge_prefill_free(pfree_off)
+    assert "errors [] != victims ['pfree-v'] (served wrong tokens)" in problems, problems
+    victim = pfree_off["answers"]["pfree-v"]
+    assert victim["error"] is None and len(victim["output_ids"]) == NEW, victim
