@@ -45,8 +45,9 @@ scheduler (fail closed) instead of handing the pages out.
 NOTE (a prefill page freed while its send reads it). The prefill's transfer worker reads a request's pages after
 the scheduler queued the chunk, on its own thread; nothing checks the request again (it is in no batch). A page
 freed meanwhile (a bookkeeping bug: a premature or double free) goes to the next extend, whose KV the send then
-ships as the request's. kvguard takes the tags of the request's pages when SGLang queues its send
-(``_send_kv_chunk``, on the scheduler thread: a device gather, no sync) and compares them when the backend concludes
+ships as the request's. kvguard takes the tags of the pages each send reads when SGLang queues it
+(``_send_kv_chunk``: the row's ``[start_send_idx, end)``, SGLang's own arithmetic, so an early send of a cached
+prefix is followed too; on the scheduler thread, a device gather, no sync) and compares them when the backend concludes
 the room (``conclude_transfer``, on the transfer thread, after every read of it ended: Mooncake's writes returned,
 NIXL's handles read DONE). Tags change on every free and allocation, so a page that changed hands before its read
 ended carries another tag: the room concludes ``Failed`` instead of ``Success`` (the decode side never commits it;
@@ -185,21 +186,32 @@ def around_prefill_result(original, scheduler, batch, result, *args, **kwargs):
     return original(scheduler, batch, result, *args, **kwargs)
 
 
-_SENDING: dict = {}  # bootstrap room -> (guard, req, pages, their tags when the send was queued): PD prefill
+_SENDING: dict = {}  # room -> (guard, req, [(first position, pages, their tags) per queued send]): PD prefill
+
+
+def _send_range(req, page_size: int, args, kwargs) -> tuple[int, int]:
+    """The row positions ``[start, end)`` that ``_send_kv_chunk(req, last_chunk, end_idx)`` sends (SGLang's own
+    arithmetic: from ``req.start_send_idx``; a chunk before the last ends on a page boundary)."""
+    last = args[0] if args else kwargs.get("last_chunk", False)
+    end = args[1] if len(args) > 1 else kwargs.get("end_idx")
+    end = min(int(req.extend_end), len(req.origin_input_ids)) if end is None else int(end)
+    return int(req.start_send_idx), end if last else end - end % page_size
 
 
 def around_send_kv_chunk(original, scheduler, req, *args, **kwargs):
-    """PD prefill: the tags of every page of ``req``'s row up to what this send reads, taken as SGLang queues it."""
+    """PD prefill: the tags of the pages this send reads (its part of ``req``'s row), taken as SGLang queues it."""
     guard = guard_of(scheduler)
     row = req.kv.req_pool_idx
     if guard is not None and row is not None and req.bootstrap_room is not None:
-        end = min(int(req.extend_end), len(req.origin_input_ids))
-        if end > 0:
-            pages = guard.req_to_token_pool.req_to_token[int(row), :end].long() // int(guard.page_size)
+        start, end = _send_range(req, int(guard.page_size), args, kwargs)
+        if end > start:
+            pages = guard.req_to_token_pool.req_to_token[int(row), start:end].long() // int(guard.page_size)
             if len(_SENDING) > 1024:  # rooms that never concluded (cleared first): their requests are released
                 for stale in [r for r, v in list(_SENDING.items()) if v[1].kv.req_pool_idx is None]:
                     _SENDING.pop(stale, None)
-            _SENDING[int(req.bootstrap_room)] = (guard, req, pages, guard.tracker.current_tags(pages).clone())
+            # each send keeps its own baseline (an early send of a cached prefix, chunks of a chunked prefill)
+            sent = _SENDING.setdefault(int(req.bootstrap_room), (guard, req, []))
+            sent[2].append((start, pages, guard.tracker.current_tags(pages).clone()))
     return original(scheduler, req, *args, **kwargs)
 
 
@@ -211,10 +223,11 @@ def around_conclude_transfer(original, manager, *args, **kwargs):
     sent = _SENDING.pop(int(room), None) if room is not None else None
     if sent is None or kwargs.get("status") != KVPoll.Success:
         return original(manager, *args, **kwargs)
-    guard, req, pages, tags = sent
-    if pages.is_cuda:
-        import torch
+    import torch
 
+    guard, req, sends = sent
+    pages, tags = (torch.cat([send[i] for send in sends]) for i in (1, 2))
+    if pages.is_cuda:
         torch.cuda.synchronize(pages.device)  # every free queued so far has bumped its pages' tags
     now = guard.tracker.current_tags(pages)
     moved = (now != tags).nonzero().flatten()
@@ -224,11 +237,12 @@ def around_conclude_transfer(original, manager, *args, **kwargs):
 
         at = int(moved[0])
         page, row = int(pages[at]), req.kv.req_pool_idx
-        message = (f"kvguard: request {req.rid} aborted: KV page {page} (position {at}) changed hands while its "
+        position = int(torch.cat([torch.arange(start, start + len(p)) for start, p, _ in sends])[at])
+        message = (f"kvguard: request {req.rid} aborted: KV page {page} (position {position}) changed hands while its "
                    f"transfer (room {room}) read it (expected tag {int(tags[at])}, found tag {int(now[at])})")
         log.error(message)
         guard.tracker.report(Violation(request_id=str(req.rid), row=-1 if row is None else int(row),
-                                       logical_position=at, page=page, expected_tag=int(tags[at]),
+                                       logical_position=position, page=page, expected_tag=int(tags[at]),
                                        found_tag=int(now[at]), reason="tag_mismatch", bad_entries=int(moved.numel())))
         mark_aborted(req)  # released as kvguard's aborts are: only the pages it still holds go back
         guard.tracker.note_aborted(1)
