@@ -311,6 +311,7 @@ def main(argv=None) -> int:
                                   list(sys.argv[1:] if argv is None else argv)),
               "mode": args.mode, "seeds": seeds, "skipped": {}, "pairs": [], "failed": []}
     tmp, k, bad = tempfile.mkdtemp(prefix="faultlab_pd_sweep_"), 0, 0
+    report["logs"] = tmp
     for backend in backends:
         why = _importable(BACKENDS[backend][0])
         if why:
@@ -355,7 +356,7 @@ def main(argv=None) -> int:
     os.replace(part, args.out)
     print(f"{report['summary']['exact']} of {len(episodes)} episodes exact over {len(report['pairs'])} pairs, "
           f"{report['summary']['served_wrong']} requests served wrong tokens without an error ({args.mode}); "
-          f"wrote {args.out}")
+          f"wrote {args.out} (the servers' logs: {tmp})")
     if not report["pairs"]:
         print("pd_sweep: no pair ran: nothing was tested", file=sys.stderr)
         return 1
