@@ -103,6 +103,18 @@ def released(folder: str, rid: str) -> bool:
     return bool(room) and f"Deferred KV release for room {room.group(1)} timed out" in log
 
 
+def send_held(pair, trigger: str, request: tuple[str, list[int], int]) -> None:
+    """Send ``request`` with the prefill's next KV send held (``FAULTLAB_SGLANG_PD_SLOW_SEND``); return once the
+    prefill's transfer worker took it (the trigger file gone)."""
+    open(trigger, "w").close()
+    sent = time.time()
+    pair.send(request)
+    while os.path.exists(trigger):
+        if time.time() - sent > 120:
+            raise TimeoutError(f"{request[0]}'s KV send never started")
+        time.sleep(0.05)
+
+
 def late_land(pair, folder: str, trigger: str, seed: int = 11) -> dict:
     """The victims decoding, late-0's send held, late-0 aborted on the decode server: the answers, and whether SGLang
     released late-0's destination on its deferred-release timeout."""
@@ -114,13 +126,7 @@ def late_land(pair, folder: str, trigger: str, seed: int = 11) -> dict:
         if time.time() - t0 > 120:  # their KV landed: the trigger holds late-0's send, not theirs
             raise TimeoutError("the late write's victims never all decoded")
         time.sleep(0.02)
-    open(trigger, "w").close()
-    sent = time.time()
-    pair.send(("late-0", late, NEW))
-    while os.path.exists(trigger):
-        if time.time() - sent > 120:
-            raise TimeoutError("late-0's KV send never started")
-        time.sleep(0.05)
+    send_held(pair, trigger, ("late-0", late, NEW))
     time.sleep(0.5)
     pair.decode.send({"op": "abort", "rid": "late-0"})
     answers = pair.answers(["late-0", *LAND_RIDS])
@@ -182,13 +188,7 @@ def run_prefill_free(backend: str, mode: str, folder: str, seed: int | None = No
     out = {}
     try:
         out["refs"] = pair.generate([("ref-v", victim, NEW), ("ref-r", reuser, NEW)])
-        open(trigger, "w").close()
-        sent = time.time()
-        pair.send(("pfree-v", victim, NEW))
-        while os.path.exists(trigger):  # the prefill's worker took the victim's send: it is held
-            if time.time() - sent > 120:
-                raise TimeoutError("pfree-v's KV send never started")
-            time.sleep(0.05)
+        send_held(pair, trigger, ("pfree-v", victim, NEW))
         pair.send(("pfree-r", reuser, NEW))
         out["answers"] = pair.answers(["pfree-v", "pfree-r"])
         time.sleep(1.0)

@@ -118,15 +118,14 @@ PATHS: tuple[Path, ...] = (
          "discard path, its sender failed: the decode server commits a transfer only on the prefill's Success, "
          "which the Mooncake worker sends after the room's last write and only for a room not failed, so KV sent "
          "early (cached prefix) or read from pages freed mid-send (released once the room failed) is never "
-         "committed; the tags of the pages a send reads are taken when it is queued and compared when the room "
-         "concludes, so a page freed or handed on before its read ended fails the room (kvguard.sglang.pd)",
-         _PD_TRANSFER_TEST,
+         "committed; a send's page tags, taken as it is queued, are compared when its room concludes: a page "
+         "handed on before its read ended fails the room (kvguard.sglang.pd)", _PD_TRANSFER_TEST,
          lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend == "mooncake"),
     Path("pd_prefill_nixl", CHECKED, "disaggregation_mode=prefill, transfer backend nixl",
          "as pd_prefill_mooncake (kvguard.sglang.pd): the verdict is read before the batch's last chunk is queued; "
          "SGLang's NIXL worker skips a chunk of a failed room and turns a Success into Failed for a room failed "
          "meanwhile (CommonKVManager.conclude_transfer, shared with Mooncake), and sends Success only after every "
-         "handle of the room read DONE (the tag comparison at conclusion is the same)", _PD_TRANSFER_TEST,
+         "handle of the room read DONE (and the same tag comparison at conclusion)", _PD_TRANSFER_TEST,
          lambda f: f.disaggregation_mode == "prefill" and f.transfer_backend == "nixl"),
     Path("pd_prefill", REFUSED, "disaggregation_mode=prefill with a transfer backend other than mooncake or nixl",
          "the verdict-before-send order and the Success-only-for-a-live-room order are shown on Mooncake and NIXL "

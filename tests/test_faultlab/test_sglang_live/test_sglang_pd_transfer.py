@@ -36,7 +36,7 @@ import time
 import pytest
 
 from faultlab.sglang_live.pd_sweep import (BACKENDS, HOLD_S, NEW, SWAP_RIDS, close_pair, fault_envs, judge_prefill_free,
-                                          pd_prompts, run_prefill_free)
+                                          pd_prompts, run_prefill_free, send_held)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1500)]
 
@@ -70,12 +70,8 @@ def pd(request, tmp_path_factory):
         for i, p in enumerate(prompts[1:4], 1):
             pair.send((f"run-{i}", p, LONG))
         time.sleep(2.0)  # they decode by now
-        open(trigger, "w").close()
         t = time.time()
-        pair.send(("late-0", prompts[0], NEW))
-        while os.path.exists(trigger) and time.time() - t < 120:  # the prefill's worker took it: the send is held
-            time.sleep(0.05)
-        assert not os.path.exists(trigger), "late-0's KV send never started"
+        send_held(pair, trigger, ("late-0", prompts[0], NEW))  # the prefill's worker took it: the send is held
         held = time.time()
         time.sleep(0.5)
         pair.decode.send({"op": "abort", "rid": "late-0"})
